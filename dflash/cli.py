@@ -1,0 +1,131 @@
+"""The `dflash` command. Each subcommand's parser lives next to its code and is listed here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+# (module, function adding its subparsers): each adds parsers with set_defaults(func=...)
+SUBCOMMANDS = (
+    ("dflash.cli", "add_generate"),
+)
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with DFlash speculative decoding, streaming")
+    p.add_argument("prompt", nargs="?", help="a user message (sent through the chat template)")
+    p.add_argument("--messages", help="chat messages as a JSON list of {role, content}, or @FILE")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    add_model_args(p)
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run_generate)
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--target", default=None, help="HF model folder (default: SmolLM2-135M-Instruct, converted once)")
+    p.add_argument("--draft", default=None, help='draft checkpoint folder (default: the shipped one; "random" for an untrained draft)')
+
+
+def _messages(args) -> list[dict]:
+    if args.messages:
+        text = args.messages
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        try:
+            msgs = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: --messages is not valid JSON: {e}")
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+            raise SystemExit("error: --messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
+        return msgs
+    if not args.prompt:
+        raise SystemExit("error: give a prompt or --messages")
+    return [{"role": "user", "content": args.prompt}]
+
+
+def run_generate(args) -> int:
+    import torch
+
+    from .generate import dflash_generate, stream_generate
+    from .pipeline import Pipeline
+    from .sampling import SamplingParams
+
+    pipe = Pipeline.load(args.target, args.draft, quiet=args.json)
+    if args.raw:
+        if not args.prompt:
+            raise SystemExit("error: --raw needs a prompt")
+        ids = pipe.encode_text(args.prompt)
+    else:
+        ids = pipe.encode_chat(_messages(args))
+    params = SamplingParams(args.temperature, args.top_p, args.top_k)
+    gen = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    tok, tokens, lengths, printed = pipe.tokenizer, [], [], ""
+    start = time.perf_counter()
+    ttft = None
+    for step in stream_generate(pipe.draft, pipe.target, ids, args.max_new_tokens, pipe.stop_token_ids, params,
+                                args.block_size, None, gen):
+        if ttft is None:
+            ttft = time.perf_counter() - start
+        else:
+            lengths.append(len(step.tokens))
+        tokens += step.tokens
+        if not args.json:
+            text = tok.decode(tokens, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    elapsed = time.perf_counter() - start
+    tau = sum(lengths) / max(len(lengths), 1)
+    report = {"text": tok.decode(tokens, skip_special_tokens=True), "num_input_tokens": ids.shape[1],
+              "num_output_tokens": len(tokens), "tau": round(tau, 3), "tokens_per_s": round(len(tokens) / elapsed, 2),
+              "time_to_first_token_s": round(ttft or 0.0, 4), "draft": pipe.draft_path or "random (untrained)"}
+    if args.compare:
+        base = dflash_generate(None, pipe.target, ids, args.max_new_tokens, pipe.stop_token_ids, args.temperature,
+                               block_size=1, top_p=args.top_p, top_k=args.top_k, return_stats=True,
+                               generator=torch.Generator().manual_seed(args.seed) if args.seed is not None else None)
+        report["target_alone_tokens_per_s"] = round(base.num_output_tokens / base.total_time, 2)
+        report["speedup"] = round(report["tokens_per_s"] / report["target_alone_tokens_per_s"], 3)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        line = f"\n\n[{len(tokens)} tokens, tau {tau:.2f}, {report['tokens_per_s']:.1f} tokens/s"
+        if args.compare:
+            line += f", target alone {report['target_alone_tokens_per_s']:.1f} tokens/s, speedup {report['speedup']:.2f}x"
+        print(line + "]" + ("" if pipe.draft_trained else "  (untrained random draft)"), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="Lossless DFlash speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module, fn in SUBCOMMANDS:
+        getattr(importlib.import_module(module), fn)(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        # the library raises errors that name the problem; show them without a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
