@@ -11,6 +11,7 @@ import time
 # (module, function adding its subparsers): each adds parsers with set_defaults(func=...)
 SUBCOMMANDS = (
     ("dflash.cli", "add_generate"),
+    ("dflash.train.cli", "add_train"),
 )
 
 

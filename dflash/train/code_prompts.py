@@ -1,0 +1,63 @@
+"""Code prompts assembled here from task templates (never HumanEval): a training source for
+the code domain. Deterministic: the same seed gives the same list."""
+
+from __future__ import annotations
+
+import random
+
+TASKS = [
+    "reverse the words in a sentence", "check whether a string is a palindrome", "count the vowels in a string",
+    "return the n-th Fibonacci number", "merge two sorted lists into one sorted list", "remove duplicates from a list while keeping order",
+    "find the second largest number in a list", "compute the factorial of n iteratively", "flatten a nested list",
+    "transpose a matrix given as a list of lists", "check whether a number is prime", "return all primes below n",
+    "compute the greatest common divisor of two integers", "convert a Roman numeral to an integer", "convert an integer to binary without using bin()",
+    "group words that are anagrams of each other", "find the longest common prefix of a list of strings", "rotate a list by k positions",
+    "compute the running sum of a list", "count word frequencies in a text", "validate balanced parentheses in a string",
+    "implement binary search on a sorted list", "implement bubble sort", "implement merge sort", "implement quicksort",
+    "find the maximum subarray sum", "compute the dot product of two vectors", "parse a CSV line into fields",
+    "capitalize the first letter of every word", "find the index of the first non-repeating character", "check whether two strings are anagrams",
+    "compute the median of a list of numbers", "chunk a list into pieces of size n", "compute the Levenshtein distance between two strings",
+    "convert Celsius to Fahrenheit for a list of temperatures", "return the digits of an integer as a list", "sum the digits of an integer",
+    "find all pairs in a list that sum to a target", "implement a stack class with push, pop and peek", "implement a queue using two stacks",
+    "implement an LRU cache", "read a text file and count its lines", "compute the mean and standard deviation of a list",
+    "find the most common element in a list", "check whether a year is a leap year", "compute compound interest",
+    "generate Pascal's triangle up to n rows", "compress a string with run-length encoding", "decode a run-length encoded string",
+    "find the intersection of two lists", "check whether a list is sorted", "interleave two lists", "compute the power set of a set",
+    "generate all permutations of a string", "count the islands in a grid of 0s and 1s", "compute the area of a polygon from its vertices",
+    "convert a snake_case string to camelCase", "truncate a string to n characters with an ellipsis", "validate an email address with a regular expression",
+    "find the k largest elements of a list", "implement a linked list with insert and delete", "reverse a linked list",
+    "compute the depth of a binary tree", "do an in-order traversal of a binary tree", "serialize a dictionary to a query string",
+    "compute the number of days between two dates", "find missing numbers in a range", "check whether a Sudoku row is valid",
+    "simulate rolling two dice many times and report frequencies", "implement FizzBuzz", "compute the triangle number of n",
+]
+LANGUAGES = ["Python", "Python", "Python", "JavaScript", "C++", "Java", "Go", "Rust", "TypeScript", "C"]
+STYLES = [
+    "Write a {lang} function to {task}.",
+    "Write a {lang} function that can {task}. Include a short docstring or comment.",
+    "How do I {task} in {lang}? Show the code.",
+    "Implement a program in {lang} to {task}, and explain how it works.",
+    "Give me an efficient {lang} solution to {task}, with an example call.",
+    "Write {lang} code to {task} and add a few test cases.",
+    "Can you show me a simple way to {task} using {lang}?",
+    "Explain the time complexity of a {lang} function that will {task}, and write it.",
+]
+
+
+def code_prompts(n: int = 2000, seed: int = 0) -> list[tuple[str, str]]:
+    """(id, user message) pairs, distinct, in a seeded order."""
+    rng = random.Random(seed)
+    combos = [(t, l, s) for t in TASKS for l in sorted(set(LANGUAGES)) for s in STYLES]
+    rng.shuffle(combos)
+    weights = {l: LANGUAGES.count(l) for l in set(LANGUAGES)}
+    # prefer Python: keep every Python combo, sample the others
+    out, seen = [], set()
+    for t, l, s in combos:
+        if l != "Python" and rng.random() > weights[l] / 3:
+            continue
+        text = s.format(lang=l, task=t)
+        if text not in seen:
+            seen.add(text)
+            out.append((f"code-{len(out)}", text))
+        if len(out) >= n:
+            break
+    return out

@@ -1,0 +1,44 @@
+"""The one typed training config, saved as train_config.json beside every checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class FitConfig:
+    data: str = "runs/data/smollm2"
+    out: str = "runs/fit/smollm2"
+    target: str | None = None
+    resume: bool = False
+    # draft shape
+    num_layers: int = 1
+    intermediate_size: int | None = None  # None: the target's
+    block_size: int = 16
+    init: str = "random"  # "random" or "target": copy target decoder layers where shapes allow
+    # anchors and loss
+    anchors_per_seq: int = 32
+    gamma: float = 7.0
+    max_seq_len: int = 1024
+    # optimisation
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.04
+    epochs: float = 6.0
+    max_steps: int | None = None  # overrides epochs when set
+    batch_size: int = 4  # sequences per optimizer micro-batch (per process)
+    grad_accum: int = 1
+    clip: float = 1.0
+    logits_chunk: int = 1024  # masked positions per lm_head chunk
+    seed: int = 0
+    threads: int = 1
+    # bookkeeping
+    heldout_frac: float = 0.05
+    eval_every: int = 100
+    eval_tau_prompts: int = 2  # per domain; 0 disables tau evaluation
+    tau_every: int = 400
+    eval_tau_tokens: int = 96
+    ckpt_every: int = 50
+    log_every: int = 10
+    backend: str | None = None  # torch.distributed backend under torchrun; None: gloo on CPU, nccl on GPU
+    device: str | None = None  # None: cuda if available, else cpu

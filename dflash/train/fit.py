@@ -1,0 +1,278 @@
+"""`dflash train fit`: block-diffusion training of a DFlash draft on cached target features.
+
+The batch of step s is a pure function of (seed, s): epoch e = s // steps_per_epoch shuffles
+the training sequences with seed (seed, e) and re-samples each sequence's anchors with seed
+(seed, e, sequence). So a resumed run sees exactly the data an uninterrupted one would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import DFlashConfig
+from ..draft import DFlashDraftModel
+from ..target import TargetModel
+from .blocks import build_batch, chunked_loss_backward, cosine_lambda, draft_hidden, sample_anchors
+from .config import FitConfig
+from .data import Sequence
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _is_heldout(seq_id: str, frac: float) -> bool:
+    return (zlib.crc32(seq_id.encode()) % 10_000) < frac * 10_000
+
+
+class Trainer:
+    """Owns the draft, optimizer and schedule; `train_step()` runs one optimizer step."""
+
+    def __init__(self, cfg: FitConfig, hf_model, seqs: list[Sequence], mask_token_id: int,
+                 layer_ids: list[int], tokenizer=None, log=print):
+        self.cfg, self.log, self.tokenizer = cfg, log, tokenizer
+        self.rank, self.world = _rank_world()
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        for p in hf_model.parameters():
+            p.requires_grad_(False)  # the target, its embedding and lm_head are frozen
+        self.target = TargetModel(hf_model.to(self.device))
+        self.train_seqs = [s for s in seqs if not _is_heldout(s.id, cfg.heldout_frac)]
+        self.heldout = [s for s in seqs if _is_heldout(s.id, cfg.heldout_frac)]
+        if not self.train_seqs:
+            raise ValueError("no training sequences (all held out or none loaded)")
+        dcfg = DFlashConfig.for_target(hf_model.config, num_hidden_layers=cfg.num_layers, mask_token_id=mask_token_id,
+                                       block_size=cfg.block_size, target_layer_ids=list(layer_ids),
+                                       intermediate_size=cfg.intermediate_size)
+        torch.manual_seed(cfg.seed)
+        self.draft = DFlashDraftModel(dcfg)
+        if cfg.init == "target":
+            from .init import init_from_target
+            init_from_target(self.draft, hf_model)
+        elif cfg.init != "random":
+            raise ValueError(f"init must be 'random' or 'target', got {cfg.init!r}")
+        self.draft.to(self.device).train()
+        self.model = self.draft
+        if self.world > 1:
+            self.model = torch.nn.parallel.DistributedDataParallel(self.draft)
+        decay = [p for n, p in self.draft.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.draft.named_parameters() if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.global_batch = self.world * cfg.batch_size * cfg.grad_accum
+        self.steps_per_epoch = max(1, len(self.train_seqs) // self.global_batch)
+        self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * self.steps_per_epoch))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, cosine_lambda(self.total_steps, cfg.warmup_frac))
+        self.step = 0
+        self.stats = {"tokens": 0, "label_positions": 0, "cpu_s": 0.0, "wall_s": 0.0}
+
+    # ---- data order -------------------------------------------------------------------
+    def _anchors(self, epoch: int, index: int, seq: Sequence) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch * 100_003 + index)
+        return sample_anchors(seq.prompt_len, min(len(seq.tokens), self.cfg.max_seq_len), self.cfg.anchors_per_seq, g)
+
+    def step_indices(self, step: int) -> list[list[int]]:
+        """This rank's micro-batches of sequence indices for `step`."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        perm = torch.randperm(len(self.train_seqs), generator=torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch))
+        ids = perm[k * self.global_batch:(k + 1) * self.global_batch].tolist()
+        bs = self.cfg.batch_size
+        return [ids[(m * self.world + self.rank) * bs:(m * self.world + self.rank + 1) * bs]
+                for m in range(self.cfg.grad_accum)]
+
+    def make_batch(self, indices: list[int], epoch: int, seqs: list[Sequence] | None = None):
+        seqs = seqs if seqs is not None else self.train_seqs
+        items = []
+        for i in indices:
+            s = seqs[i]
+            n = min(len(s.tokens), self.cfg.max_seq_len)
+            feats = torch.from_numpy(s.features[: n - 1].astype("float32"))  # (n-1, kH)
+            items.append((s.tokens[:n], feats, self._anchors(epoch, i, s)))
+        return build_batch(items, self.cfg.block_size, self.draft.config.mask_token_id, self.cfg.gamma).to(self.device)
+
+    # ---- one optimizer step -----------------------------------------------------------
+    def train_step(self) -> dict:
+        t0, c0 = time.time(), time.process_time()
+        epoch = self.step // self.steps_per_epoch
+        batches = [self.make_batch(ix, epoch) for ix in self.step_indices(self.step)]
+        wsum = torch.tensor([float(b.weights.sum()) for b in batches]).sum().reshape(1)
+        ntok = torch.tensor([float(sum(b.num_tokens for b in batches)), float(sum(int((b.weights > 0).sum()) for b in batches))])
+        if self.world > 1:
+            dist.all_reduce(wsum)
+            dist.all_reduce(ntok)
+        scale = self.world / max(float(wsum), 1e-9)  # DDP averages over ranks: this makes it a global mean
+        self.opt.zero_grad(set_to_none=True)
+        loss_sum, correct, count = 0.0, 0, 0
+        for m, b in enumerate(batches):
+            sync = m == len(batches) - 1 or self.world == 1
+            ctx = self.model.no_sync() if (self.world > 1 and not sync) else _null()
+            with ctx:
+                hidden = draft_hidden(self.model, self.target, b)  # (N, Q, H)
+                val, ok = chunked_loss_backward(hidden, self.target, b.labels, b.weights, scale, self.cfg.logits_chunk)
+            loss_sum += val
+            correct += int(ok.sum())
+            count += ok.numel()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.clip)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        red = torch.tensor([loss_sum, float(correct), float(count), time.process_time() - c0])
+        if self.world > 1:
+            dist.all_reduce(red)
+        self.stats["tokens"] += int(ntok[0])
+        self.stats["label_positions"] += int(ntok[1])
+        self.stats["cpu_s"] += float(red[3])
+        self.stats["wall_s"] += time.time() - t0
+        return {"step": self.step, "loss": float(red[0]) / self.world, "acc": float(red[1]) / max(float(red[2]), 1),
+                "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0], **self.stats}
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
+                "stats": dict(self.stats), "total_steps": self.total_steps}
+
+    def save(self, out: Path, extra: dict | None = None) -> Path:
+        """Atomically write out/ckpt-{step}/ (draft/ in the DFLASH.md §4 format, trainer.pt,
+        train_config.json) and point out/latest at it. Rank 0 only."""
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"ckpt-{self.step:07d}"
+        tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
+        self.draft.save_pretrained(tmp / "draft")
+        torch.save({**self.state(), **(extra or {})}, tmp / "trainer.pt")
+        (tmp / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+        final = out / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_text(out / "latest", name + "\n")
+        for old in sorted(out.glob("ckpt-*"))[:-2]:  # keep the last two
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load(self, ckpt: Path) -> dict:
+        state = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False)
+        loaded = DFlashDraftModel.from_pretrained(ckpt / "draft")
+        self.draft.load_state_dict(loaded.state_dict())
+        self.draft.train()
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.step, self.stats = state["step"], dict(state["stats"])
+        return state
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(out: str | Path) -> Path | None:
+    p = Path(out) / "latest"
+    if not p.exists():
+        return None
+    ck = Path(out) / p.read_text().strip()
+    return ck if (ck / "trainer.pt").exists() else None
+
+
+# ---- the command --------------------------------------------------------------------------
+
+def _setup_distributed(cfg: FitConfig) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def run_fit(cfg: FitConfig, log=None) -> dict:
+    from ..assets import load_target
+    from ..pipeline import _mask_token
+    from .data import data_layer_ids, finished_shards, load_sequences
+    from .evaluate import Evaluator
+
+    torch.set_num_threads(cfg.threads)
+    _setup_distributed(cfg)
+    rank, world = _rank_world()
+    out = Path(cfg.out)
+    say = log or (lambda s: print(s, flush=True) if rank == 0 else None)
+    ckpt = latest_checkpoint(out) if cfg.resume else None
+    if ckpt is None and cfg.resume:
+        say(f"fit: no checkpoint in {out}; starting fresh")
+    shards = None
+    if ckpt is not None:
+        shards = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False).get("data_shards")
+    hf, tok = load_target(cfg.target)
+    seqs = load_sequences(cfg.data, shards=shards)
+    trainer = Trainer(cfg, hf, seqs, _mask_token(tok, TargetModel(hf)), data_layer_ids(cfg.data), tok, say)
+    used_shards = shards if shards is not None else finished_shards(Path(cfg.data))
+    if ckpt is not None:
+        trainer.load(ckpt)
+        say(f"fit: resumed {ckpt} at step {trainer.step}")
+    metrics = out / "metrics.jsonl"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(metrics, trainer.step)
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    say(f"fit: {len(trainer.train_seqs)} train / {len(trainer.heldout)} held-out sequences from {len(used_shards)} shards, "
+        f"{sum(p.numel() for p in trainer.draft.parameters()) / 1e6:.2f}M draft params, "
+        f"{trainer.steps_per_epoch} steps/epoch, {trainer.total_steps} steps, world {world}")
+    evaluator = Evaluator(trainer, tok) if rank == 0 else None
+    best = _best_score(out)
+    extra = {"data_shards": used_shards}
+    while trainer.step < trainer.total_steps:
+        rec = trainer.train_step()
+        s = trainer.step
+        if rank == 0:
+            if s % cfg.log_every == 0 or s == 1:
+                say(f"step {s}/{trainer.total_steps} loss {rec['loss']:.4f} acc {rec['acc']:.3f} lr {rec['lr']:.2e} "
+                    f"tokens {rec['tokens']} cpu_h {rec['cpu_s'] / 3600:.3f}")
+            row = {"kind": "train", **rec}
+            if s % cfg.eval_every == 0 or s == trainer.total_steps:
+                ev = evaluator.run(tau=cfg.eval_tau_prompts > 0 and (s % cfg.tau_every == 0 or s == trainer.total_steps))
+                row.update(ev)
+                say(f"eval step {s}: " + " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, float)))
+                score = ev.get("tau_mean", ev.get("heldout_block_tau", 0.0))
+                if score > best:
+                    best = score
+                    trainer.draft.save_pretrained(out / "best")
+                    _atomic_text(out / "best.json", json.dumps({"step": s, "score": score, **row}) + "\n")
+            with open(metrics, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            if s % cfg.ckpt_every == 0 or s == trainer.total_steps:
+                trainer.save(out, extra)
+        if world > 1:
+            dist.barrier()
+    if rank == 0:
+        trainer.draft.save_pretrained(out / "final")
+    return trainer.stats
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop log rows past the checkpoint we resumed from (they will be re-run)."""
+    if not path.exists():
+        return
+    rows = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+    _atomic_text(path, "".join(r + "\n" for r in rows))
+
+
+def _best_score(out: Path) -> float:
+    p = out / "best.json"
+    return json.loads(p.read_text())["score"] if p.exists() else float("-inf")

@@ -1,0 +1,35 @@
+"""Draft initialisation: random (the draft's own init) or copied from target decoder layers
+where the shapes match (attention and MLP projections, layer norms, the final norm)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..draft import DFlashDraftModel
+
+_NAMES = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+          "input_layernorm.weight", "post_attention_layernorm.weight"]
+
+
+@torch.no_grad()
+def init_from_target(draft: DFlashDraftModel, hf_model, layer_ids: list[int] | None = None) -> list[str]:
+    """Copy target layers `layer_ids` (default: the last draft-many layers) into the draft's
+    layers. Returns the names copied; tensors whose shapes differ keep their random init."""
+    base = getattr(hf_model, "model", hf_model)
+    tlayers = base.layers
+    n = len(draft.layers)
+    layer_ids = layer_ids if layer_ids is not None else list(range(len(tlayers) - n, len(tlayers)))
+    copied = []
+    for i, tid in enumerate(layer_ids):
+        src = tlayers[tid].state_dict()
+        dst = draft.layers[i].state_dict()
+        for name in _NAMES:
+            if name in src and name in dst and src[name].shape == dst[name].shape:
+                dst[name].copy_(src[name])
+                copied.append(f"layers.{i}.{name}<-{tid}")
+    norm = getattr(base, "norm", None)
+    if norm is not None and norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight.copy_(norm.weight)
+        copied.append("norm.weight")
+    return copied
