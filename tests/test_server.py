@@ -1,0 +1,340 @@
+"""`dflash serve` against a live server on 127.0.0.1, with the official openai client:
+answers equal offline decoding, streaming chunks, stop strings, seeds, acceptance stats,
+bad requests, the API key, /metrics, client disconnects, the bounded queue, shutdown."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from dflash.generate import dflash_generate
+from dflash.target import TargetModel
+from test_server_support import LiveServer, tiny_pipeline
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline()
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    with LiveServer(pipe, model_name=MODEL) as s:
+        yield s
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def offline(pipe, ids, max_tokens, temperature=0.0, seed=None, **kw) -> str:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    out = dflash_generate(pipe.draft, pipe.target, ids, max_tokens, pipe.stop_token_ids, temperature,
+                          generator=gen, **kw)
+    return pipe.tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+
+
+def offline_text(pipe, prompt, max_tokens, **kw):
+    return offline(pipe, pipe.encode_text(prompt), max_tokens, **kw)
+
+
+def offline_chat(pipe, messages, max_tokens, **kw):
+    return offline(pipe, pipe.encode_chat(messages), max_tokens, **kw)
+
+
+def metrics(url: str) -> dict:
+    """Samples of /metrics, parsed by prometheus-client: {(name, labels): value}."""
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def wait_for(cond, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+# -- answers -----------------------------------------------------------------------------
+
+def test_models_and_health(server):
+    models = client(server.url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client(server.url).models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_offline_greedy(server, pipe):
+    out = client(server.url).completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30,
+                                                temperature=0)
+    assert out.choices[0].text == offline_text(pipe, "the quick brown fox", 30)
+    assert out.choices[0].finish_reason == "length"
+    assert out.object == "text_completion"
+    u = out.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (
+        pipe.encode_text("the quick brown fox").shape[1], 30, u.prompt_tokens + 30)
+    spec = u.spec_decode
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_drafts"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"],
+                                                           abs=1e-3)
+    assert u.tokens_per_second > 0
+
+
+def test_completion_stream_equals_offline_greedy(server, pipe):
+    chunks = list(client(server.url).completions.create(model=MODEL, prompt="hello world", max_tokens=25,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == offline_text(pipe, "hello world", 25)
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 25
+    assert "spec_decode" in chunks[-1].usage.model_extra
+
+
+def test_chat_equals_offline_greedy(server, pipe):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "how are you today?"}]
+    out = client(server.url).chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == offline_chat(pipe, messages, 20)
+    assert out.usage.completion_tokens == 20 and out.usage.spec_decode["num_drafts"] > 0
+
+
+def test_chat_stream_equals_offline_greedy(server, pipe):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "the target verifies"}]}]
+    stream = client(server.url).chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=24,
+                                                        temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == offline_chat(pipe, [{"role": "user", "content": "the target verifies"}], 24)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text_and_end_generation(server, pipe):
+    full = offline_text(pipe, "speculative decoding", 40)
+    stop = full[6:8]
+    expected = full[:full.find(stop)]
+    c = client(server.url)
+    out = c.completions.create(model=MODEL, prompt="speculative decoding", max_tokens=40, temperature=0, stop=[stop])
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 40
+    chunks = list(c.completions.create(model=MODEL, prompt="speculative decoding", max_tokens=40, temperature=0,
+                                       stop=stop, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_makes_sampling_reproducible(server, pipe):
+    c = client(server.url)
+    kw = dict(model=MODEL, prompt="hello", max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
+    a, b = c.completions.create(**kw).choices[0].text, c.completions.create(**kw).choices[0].text
+    assert a == b == offline_text(pipe, "hello", 20, temperature=0.9, top_p=0.95, seed=1234)
+
+
+def test_token_id_prompt(server, pipe):
+    ids = pipe.encode_text("lazy dog")[0].tolist()
+    out = client(server.url).completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    assert out.choices[0].text == offline_text(pipe, "lazy dog", 10)
+
+
+def test_acceptance_stats_in_usage_and_metrics(pipe):
+    perfect = tiny_pipeline(perfect=True)  # every draft token is accepted: tau = block size
+    with LiveServer(perfect, model_name=MODEL) as s:
+        before = metrics(s.url)
+        out = client(s.url).completions.create(model=MODEL, prompt="hello", max_tokens=20, temperature=0)
+        ref = dflash_generate(perfect.draft, perfect.target, perfect.encode_text("hello"), 20,
+                              perfect.stop_token_ids, 0.0, return_stats=True)
+        spec = out.usage.spec_decode
+        assert spec["num_accepted_tokens_per_pos"] == ref.acceptance_counts == [5, 5, 4]
+        assert spec["num_drafts"] == ref.draft_steps == 5
+        assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] == 14
+        assert spec["mean_acceptance_length"] == pytest.approx(1 + 14 / 5)
+        after = metrics(s.url)
+        p = "dflash:spec_decode_"
+        assert after[(p + "num_drafts_total", ())] - before[(p + "num_drafts_total", ())] == 5
+        assert after[(p + "num_draft_tokens_total", ())] == 14
+        assert after[(p + "num_accepted_tokens_total", ())] == 14
+        assert [after[(p + "num_accepted_tokens_per_pos_total", (("position", str(k)),))] for k in range(3)] == [5, 5, 4]
+        assert after[("dflash:generation_tokens_total", ())] == 20
+
+
+def test_metrics_are_prometheus_text(server):
+    client(server.url).completions.create(model=MODEL, prompt="hi", max_tokens=5, temperature=0)
+    m = metrics(server.url)
+    names = {name for name, _ in m}
+    for name in ("dflash:spec_decode_num_drafts_total", "dflash:spec_decode_num_draft_tokens_total",
+                 "dflash:spec_decode_num_accepted_tokens_total", "dflash:spec_decode_num_accepted_tokens_per_pos_total",
+                 "dflash:e2e_request_latency_seconds_bucket", "dflash:time_to_first_token_seconds_count",
+                 "dflash:request_generation_tokens_per_second_count", "dflash:num_requests_waiting",
+                 "dflash:num_requests_running", "dflash:generation_tokens_total"):
+        assert name in names, name
+    assert m[("dflash:e2e_request_latency_seconds_count", ())] >= 1
+    assert m[("dflash:request_success_total", (("finished_reason", "length"),))] >= 1
+    assert m[("dflash:request_generation_tokens_per_second_sum", ())] > 0
+
+
+# -- bad requests ------------------------------------------------------------------------
+
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 40  # > 256 tokens
+
+BAD = [
+    ("completions", b'{"model": "tiny", "prompt": "hi",', 400, None),
+    ("completions", b'[1, 2]', 400, None),
+    ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found"),
+    ("completions", {"prompt": "hi", "max_tokens": "5"}, 400, None),
+    ("completions", {"prompt": "hi", "max_tokens": 5.5}, 400, None),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, 400, None),
+    ("completions", {"prompt": "hi", "stream": "yes"}, 400, None),
+    ("completions", {"prompt": 42}, 400, None),
+    ("completions", {"max_tokens": 5}, 400, None),
+    ("completions", {"prompt": "hi", "max_tokens": -1}, 400, None),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, None),
+    ("completions", {"prompt": "hi", "max_tokens": 10 ** 12}, 400, "context_length_exceeded"),
+    ("completions", {"prompt": LONG_PROMPT, "max_tokens": 5}, 400, "context_length_exceeded"),
+    ("completions", {"prompt": ""}, 400, None),
+    ("completions", {"prompt": ["a", "b"]}, 400, None),
+    ("completions", {"prompt": [1, 10 ** 6]}, 400, None),
+    ("completions", {"prompt": "hi", "n": 2}, 400, None),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, None),
+    ("completions", {"prompt": "hi", "temperature": 5}, 400, None),
+    ("completions", {"prompt": "hi", "stop": ["x"] * 100}, 400, None),
+    ("chat/completions", {"model": "tiny", "messages": []}, 400, None),
+    ("chat/completions", {"messages": "hello"}, 400, None),
+    ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, None),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "context_length_exceeded"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, None),
+    ("nonsense", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,code", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_errors(server, path, body, status, code):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}/v1/{path}", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if code:
+        assert err["code"] == code
+
+
+def test_server_keeps_serving_after_bad_requests(server, pipe):
+    c = client(server.url)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        c.chat.completions.create(model=MODEL, messages=[])
+    out = c.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=0)
+    assert out.choices[0].text == offline_text(pipe, "hello", 8)
+
+
+def test_api_key(pipe):
+    with LiveServer(pipe, model_name=MODEL, api_key="sekret") as s:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(s.url, "wrong").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        out = client(s.url, "sekret").completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0)
+        assert out.choices[0].text == offline_text(pipe, "hi", 4)
+        assert httpx.get(s.url + "/health").status_code == 200  # health and metrics stay open
+
+
+# -- disconnects, the queue, shutdown: on a target that takes 15 ms a forward ---------------
+
+class SlowTarget(TargetModel):
+    def __init__(self, model, delay: float):
+        super().__init__(model)
+        self.delay = delay
+
+    def forward(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return super().forward(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def slow_pipe(pipe):
+    return dataclasses.replace(pipe, target=SlowTarget(pipe.target.model, 0.015))
+
+
+def aborted(url: str) -> float:
+    return metrics(url).get(("dflash:request_success_total", (("finished_reason", "abort"),)), 0.0)
+
+
+def test_client_disconnect_stops_generation(slow_pipe):
+    with LiveServer(slow_pipe, model_name=MODEL) as s:
+        body = {"prompt": "hello", "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # generation has started; now hang up
+        wait_for(lambda: aborted(s.url) == 1)
+        assert metrics(s.url)[("dflash:generation_tokens_total", ())] < 200
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+            httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+        wait_for(lambda: aborted(s.url) == 2)
+        assert s.worker.alive
+
+
+def test_full_queue_gets_503_and_queued_requests_complete(slow_pipe, pipe):
+    with LiveServer(slow_pipe, start_worker=False, model_name=MODEL, max_queue=2) as s:
+        results = {}
+
+        def ask(i):
+            results[i] = client(s.url).completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=6,
+                                                          temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: metrics(s.url)[("dflash:num_requests_waiting", ())] == 2)
+        with pytest.raises(openai.InternalServerError) as e:
+            client(s.url).completions.create(model=MODEL, prompt="one too many", max_tokens=6)
+        assert e.value.status_code == 503 and "busy" in e.value.message
+        assert e.value.body["code"] == "queue_full"
+        s.worker.start()
+        for t in threads:
+            t.join(30)
+        assert results == {i: offline_text(pipe, f"hello {i}", 6) for i in range(2)}
+
+
+def test_shutdown_finishes_in_flight_requests(slow_pipe, pipe):
+    s = LiveServer(slow_pipe, model_name=MODEL, shutdown_grace=30).__enter__()
+    stream = client(s.url).completions.create(model=MODEL, prompt="hello", max_tokens=30, temperature=0, stream=True)
+    first = next(iter(stream))
+    s.server.should_exit = True  # what Ctrl-C / SIGTERM does
+    rest = list(stream)
+    text = "".join(c.choices[0].text for c in [first, *rest])
+    assert text == offline_text(pipe, "hello", 30) and rest[-1].choices[0].finish_reason == "length"
+    s.thread.join(20)
+    assert not s.thread.is_alive() and not s.worker.alive
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s.url + "/health")
+
+
+def test_shutdown_past_the_grace_ends_requests_cleanly(slow_pipe):
+    s = LiveServer(slow_pipe, model_name=MODEL, shutdown_grace=0.2).__enter__()
+    stream = client(s.url).completions.create(model=MODEL, prompt="hello", max_tokens=200, temperature=0,
+                                              stream=True)
+    next(iter(stream))
+    s.server.should_exit = True
+    with pytest.raises(openai.APIError, match="shutting down"):
+        list(stream)
+    s.thread.join(20)
+    assert not s.thread.is_alive()
