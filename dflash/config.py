@@ -108,7 +108,7 @@ class DFlashConfig:
         if kwargs.get("head_dim") is None:
             kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
         kwargs.setdefault("num_target_layers", max(kwargs["target_layer_ids"]) + 1)
-        kwargs["extra"] = {k: v for k, v in d.items() if k not in ("architectures", "model_type", "auto_map", "dtype")}
+        kwargs["extra"] = {k: v for k, v in d.items() if k not in ("architectures", "model_type", "auto_map", "dtype", "tie_word_embeddings", "use_sliding_window")}
         return cls(**kwargs)
 
     def to_dict(self) -> dict:

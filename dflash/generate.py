@@ -160,8 +160,7 @@ def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Ten
     token; sampled: in distribution). Returns output_ids (1, T+N), or a GenerationResult."""
     params = SamplingParams(temperature, top_p, top_k, rule)
     start = time.perf_counter()
-    tokens, lengths, ttft, finish, steps = [], [], 0.0, "length", 0
-    counts = [0] * max((block_size or (model.config.block_size if model is not None else 1)) - 1, 0)
+    tokens, lengths, counts, ttft, finish, steps = [], [], [], 0.0, "length", 0
     for i, step in enumerate(stream_generate(model, target, input_ids, max_new_tokens, stop_token_ids, params,
                                              block_size, mask_token_id, generator, draft_window)):
         tokens += step.tokens
@@ -170,6 +169,7 @@ def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Ten
         else:
             lengths.append(len(step.tokens))
             steps += step.proposed > 0
+            counts += [0] * (step.proposed - len(counts))  # one counter per block position
             for k in range(step.accepted):
                 counts[k] += 1
         finish = step.finish_reason or finish

@@ -1,0 +1,121 @@
+"""Speculative greedy output equals the target's own HF greedy output, token for token."""
+
+import pytest
+import torch
+
+from dflash import generate as gen
+from dflash.model import dflash_generate
+from dflash.target import TargetModel
+
+from conftest import tiny_draft, tiny_target
+
+
+def hf_greedy(model, ids, max_new_tokens, stop=None):
+    if max_new_tokens == 0:
+        return ids
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
+                         pad_token_id=0, attention_mask=torch.ones_like(ids))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_greedy_equals_hf_generate(family):
+    target = tiny_target(family)
+    draft = tiny_draft(target, block_size=16)
+    torch.manual_seed(5)
+    for prompt_len in (1, 6, 23):
+        ids = torch.randint(0, 96, (1, prompt_len))
+        ref = hf_greedy(target, ids, 37)  # 37: not a multiple of any block size
+        for block_size in (1, 2, 8, 16):
+            out = dflash_generate(draft, target, ids, 37, None, 0.0, block_size=block_size)
+            assert torch.equal(out, ref), (family, prompt_len, block_size)
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 17])
+def test_max_new_tokens_edges(llama, llama_draft, max_new_tokens):
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    ref = hf_greedy(llama, ids, max_new_tokens)
+    for block_size in (1, 8, 16):
+        res = dflash_generate(llama_draft, llama, ids, max_new_tokens, None, block_size=block_size, return_stats=True)
+        assert torch.equal(res.output_ids, ref)
+        assert res.num_output_tokens == max_new_tokens
+
+
+def test_stop_tokens_end_generation(llama, llama_draft):
+    ids = torch.tensor([[7, 1, 8, 2, 8]])
+    ref = hf_greedy(llama, ids, 40)[0, ids.shape[1]:].tolist()
+    stop = ref[9]  # a token the target emits; generation must end at its first occurrence
+    expected = ref[: ref.index(stop) + 1]
+    for block_size in (1, 4, 16):
+        res = dflash_generate(llama_draft, llama, ids, 40, [stop], block_size=block_size, return_stats=True)
+        assert res.output_ids[0, ids.shape[1]:].tolist() == expected
+        assert res.finish_reason == "stop"
+    assert torch.equal(dflash_generate(llama_draft, llama, ids, 40, [stop]), hf_greedy(llama, ids, 40, stop=stop))
+
+
+def test_stop_token_in_prompt_is_ignored(llama, llama_draft):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ref = hf_greedy(llama, ids, 12)
+    # a stop token that only appears in the prompt must not end generation
+    assert torch.equal(dflash_generate(llama_draft, llama, ids, 12, [5], block_size=8), ref)
+
+
+def _force_proposals(monkeypatch, continuation, plant_at=None):
+    """Replace the draft pass by an oracle that proposes the target's own continuation
+    (optionally with a wrong token planted at block position `plant_at`)."""
+    def oracle(draft, target, cache, ctx_hidden, last, pos, size, mask_id, params, generator):
+        done = pos - oracle.prompt_len + 1  # tokens generated so far (including `last`)
+        tokens = continuation[done: done + size - 1].clone()
+        if plant_at is not None and plant_at - 1 < len(tokens):
+            tokens[plant_at - 1] = (tokens[plant_at - 1] + 1) % 96
+        return gen._Block(tokens[None])
+    monkeypatch.setattr(gen, "_draft", oracle)
+    return oracle
+
+
+def test_oracle_draft_reaches_block_size(monkeypatch, llama, llama_draft):
+    ids = torch.tensor([[11, 12, 13]])
+    ref = hf_greedy(llama, ids, 1 + 16 * 4)
+    oracle = _force_proposals(monkeypatch, ref[0, ids.shape[1]:])
+    oracle.prompt_len = ids.shape[1]
+    res = dflash_generate(llama_draft, llama, ids, 1 + 16 * 4, None, block_size=16, return_stats=True)
+    assert torch.equal(res.output_ids, ref)
+    assert res.acceptance_lengths == [16, 16, 16, 16]
+    assert res.tau == 16
+    assert res.acceptance_counts == [4] * 15
+
+
+@pytest.mark.parametrize("j", [0, 5, 14])  # 0-based index of the wrong proposal
+def test_planted_mismatch_gives_acceptance_j_plus_1(monkeypatch, llama, llama_draft, j):
+    ids = torch.tensor([[21, 22, 23, 24]])
+    ref = hf_greedy(llama, ids, 33)
+    oracle = _force_proposals(monkeypatch, ref[0, ids.shape[1]:], plant_at=j + 1)
+    oracle.prompt_len = ids.shape[1]
+    res = dflash_generate(llama_draft, llama, ids, 33, None, block_size=16, return_stats=True)
+    assert torch.equal(res.output_ids, ref)  # the target corrects the planted token
+    *full, last = res.acceptance_lengths  # the last block may be cut short by max_new_tokens
+    assert full and all(a == j + 1 for a in full) and last <= j + 1
+    assert res.acceptance_counts[j] == 0  # the planted position is never accepted
+
+
+def test_stats_are_consistent(llama, llama_draft):
+    ids = torch.tensor([[1, 2, 3]])
+    res = dflash_generate(llama_draft, llama, ids, 30, None, block_size=8, return_stats=True)
+    assert res.num_input_tokens == 3 and res.num_output_tokens == 30
+    assert 1 + sum(res.acceptance_lengths) == res.num_output_tokens  # the first token comes from prefill
+    assert all(1 <= a <= 8 for a in res.acceptance_lengths)
+    assert len(res.acceptance_counts) == 7
+    assert res.time_to_first_token > 0 and res.time_per_output_token > 0
+
+
+def test_stream_yields_new_tokens_only(llama, llama_draft):
+    ids = torch.tensor([[4, 4, 4]])
+    steps = list(gen.stream_generate(llama_draft, TargetModel(llama), ids, 20, block_size=8))
+    tokens = [t for s in steps for t in s.tokens]
+    assert tokens == dflash_generate(llama_draft, llama, ids, 20, None, block_size=8)[0, 3:].tolist()
+    assert steps[-1].finish_reason == "length" and all(s.finish_reason is None for s in steps[:-1])
+
+
+def test_spec_generate_method(llama, llama_draft):
+    ids = torch.tensor([[9, 8, 7]])
+    assert torch.equal(llama_draft.spec_generate(llama, ids, 10, None, 0.0), hf_greedy(llama, ids, 10))

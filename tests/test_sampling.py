@@ -1,0 +1,108 @@
+"""Sampled speculative output has the target's distribution, for both verification rules."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dflash.model import dflash_generate
+from dflash.sampling import SamplingParams, probabilities, verify_rejection
+
+from conftest import tiny_draft, tiny_target
+
+V = 4  # a tiny vocabulary so the exact joint law of three tokens (64 cells) can be enumerated
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """A target and a draft with peaked, different distributions (scaled-up output heads)."""
+    target = tiny_target("llama", seed=3, vocab_size=V)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(60.0)
+    draft = tiny_draft(target, seed=4, layers=1, block_size=4, mask_token_id=0)
+    return target, draft
+
+
+def exact_law(target, prompt, params):
+    """P(t1, t2, t3 | prompt) under the target's own sampling, by enumeration."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # (V^2, 2)
+    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        logits = target(ids).logits  # (V^2, T+2, V)
+    p = probabilities(logits[:, -3:], params)  # (V^2, 3, V): p(t1|x), p(t2|x,t1), p(t3|x,t1,t2)
+    law = torch.zeros(V, V, V)
+    for row, (a, b) in enumerate(seqs.tolist()):
+        law[a, b] = p[row, 0, a] * p[row, 1, b] * p[row, 2]
+    return law.flatten()
+
+
+def draw(target, draft, prompt, params, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V ** 3)
+    for _ in range(n):
+        out = dflash_generate(draft, target, prompt, 3, None, params.temperature, block_size=4, top_p=params.top_p,
+                              top_k=params.top_k, generator=g, rule=params.rule)
+        a, b, c = out[0, -3:].tolist()
+        counts[a * V * V + b * V + c] += 1
+    return counts
+
+
+def chi2_pvalue(counts, law):
+    keep = law * counts.sum() >= 5  # pool the cells too rare for the chi-square approximation
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([law[keep], law[~keep].sum()[None]]) * counts.sum()
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [
+    SamplingParams(1.0, rule="rejection"),
+    SamplingParams(1.0, rule="match"),
+    SamplingParams(0.8, top_p=0.9, top_k=3, rule="rejection"),
+], ids=["rejection", "match", "rejection-topk-topp"])
+def test_sampled_tokens_follow_target_distribution(peaked, params):
+    """2000 seeded draws of three tokens (the 2nd and 3rd come from one verified block);
+    chi-square goodness of fit against the exact law, rejecting at p < 0.001."""
+    target, draft = peaked
+    prompt = torch.tensor([[1, 3, 2]])
+    law = exact_law(target, prompt, params)
+    assert law.max() < 0.9  # the law is spread, so a biased sampler would show
+    counts = draw(target, draft, prompt, params, 2000, seed=11)
+    assert chi2_pvalue(counts, law) > 1e-3
+    # the test has power: the draft's own law differs enough to be rejected
+    biased = law.clone().view(V, V, V)
+    biased[..., 0] += 0.05 * biased.sum(-1)
+    biased = (biased / biased.sum()).flatten()
+    assert chi2_pvalue(counts, biased) < 1e-3
+
+
+def test_rejection_sampler_is_exact_on_one_position():
+    """The recovered/bonus law of one verify step equals p exactly (enumerating the draft)."""
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(1, 2, 6) * 2, -1)  # (B, K+1, V) target
+    q = torch.softmax(torch.randn(1, 1, 6) * 2, -1)  # (B, K, V) draft
+    g = torch.Generator().manual_seed(1)
+    n = 40000  # one batch row per trial
+    drafts = torch.multinomial(q[0, 0], n, replacement=True, generator=g)[:, None]  # (n, 1)
+    acc, tok = verify_rejection(drafts, q.expand(n, -1, -1), p.expand(n, -1, -1), g)
+    out = torch.where(acc == 1, drafts[:, 0], tok)  # accepted draft token, else the recovered one
+    counts = torch.bincount(out, minlength=6).float()
+    assert chisquare(counts.numpy(), (p[0, 0] * n).numpy()).pvalue > 1e-3
+
+
+def test_seeded_sampling_is_reproducible(llama, llama_draft):
+    ids = torch.tensor([[1, 2, 3]])
+    a = dflash_generate(llama_draft, llama, ids, 20, None, 1.0, generator=torch.Generator().manual_seed(7))
+    b = dflash_generate(llama_draft, llama, ids, 20, None, 1.0, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+
+
+def test_bad_sampling_arguments(llama, llama_draft):
+    ids = torch.tensor([[1, 2]])
+    for kw, word in [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
+                     ({"rule": "magic"}, "rule")]:
+        with pytest.raises(ValueError, match=word):
+            dflash_generate(llama_draft, llama, ids, 4, None, **kw)
