@@ -87,6 +87,7 @@ def add_serve(sub) -> None:
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_threads(p)
     p.set_defaults(func=run_serve)
 
     c = sub.add_parser("chat", help="chat in the terminal, streaming, with tau and tokens/s shown live")
@@ -98,12 +99,28 @@ def add_serve(sub) -> None:
     c.add_argument("--block-size", type=int, default=None)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--plain", action="store_true", help="no live status line (the default when not a terminal)")
+    _add_threads(c)
     c.set_defaults(func=_run_chat)
+
+
+def _add_threads(p) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is often fastest for small models on busy CPUs)")
+
+
+def _set_threads(args) -> None:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def _run_chat(args) -> int:
     from .chat import run_chat
 
+    _set_threads(args)
     return run_chat(args)
 
 
@@ -115,6 +132,7 @@ def run_serve(args) -> int:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it "
               f"(set --api-key or ${API_KEY_ENV})", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    _set_threads(args)
     pipe = Pipeline.load(args.target, args.draft)
     name = args.model_name or _default_name(args.target)
     options = ServerOptions(args.host, args.port, api_key, name, args.max_queue, args.max_model_len,
