@@ -12,6 +12,7 @@ import time
 SUBCOMMANDS = (
     ("dflash.cli", "add_generate"),
     ("dflash.train.cli", "add_train"),
+    ("dflash.server", "add_serve"),
 )
 
 
