@@ -130,7 +130,8 @@ class MLXTarget:
 
     @property
     def dtype(self):
-        return self.inner.embed_tokens.weight.dtype
+        """The activations' dtype (a quantized embedding stores its weight as uint32)."""
+        return self.inner.embed_tokens(mx.array([[0]])).dtype
 
     def new_cache(self) -> TargetCache:
         return TargetCache(self.windows)

@@ -136,10 +136,24 @@ def _check(draft, target: MLXTarget, ids, block_size, max_tokens):
     return block_size, min(max_tokens, max(target.max_positions - len(ids), 0))
 
 
+def _prefill(target: MLXTarget, ids: list[int], cache: TargetCache, layer_ids, step: int):
+    """Run the prompt through the target in chunks; the last position's logits (1, 1, V)
+    and the chosen layers' hidden states of the whole prompt (1, T, k*H) or None."""
+    hidden = []
+    for start in range(0, len(ids), step):
+        logits, h = target(mx.array([ids[start: start + step]]), cache, layer_ids, last_only=True)
+        mx.eval(logits, *([h] if h is not None else []))  # materialises the caches too
+        if h is not None:
+            hidden.append(h)
+    return logits, (mx.concatenate(hidden, axis=1) if hidden else None)
+
+
 def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], block_size: int | None = None,
                   max_tokens: int = 256, temperature: float = 0.0, stop_token_ids=(),
-                  draft_window: int | None = None) -> Iterator[tuple[list[int], int, int, str | None]]:
-    """The loop on token ids: yields (new tokens, proposed, accepted, finish_reason) per step."""
+                  draft_window: int | None = None, prefill_step_size: int = 2048,
+                  ) -> Iterator[tuple[list[int], int, int, str | None]]:
+    """The loop on token ids: yields (new tokens, proposed, accepted, finish_reason) per step.
+    The prompt is prefilled in chunks of prefill_step_size tokens, as mlx-lm does."""
     target = as_target(model)
     block_size, max_tokens = _check(draft, target, ids, block_size, max_tokens)
     if max_tokens == 0:
@@ -150,7 +164,7 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], block_size
     cache = target.new_cache()
     draft_cache = draft.new_cache(draft_window) if block_size > 1 else None
 
-    logits, ctx_hidden = target(mx.array([ids]), cache, layer_ids, last_only=True)  # (1, 1, V), (1, T, kH)
+    logits, ctx_hidden = _prefill(target, ids, cache, layer_ids, prefill_step_size)  # (1, 1, V), (1, T, kH)
     last = int(_pick(logits[0, -1], temperature).item())
     generated, pos = 1, len(ids)  # pos: position of `last`, not yet in the target cache
     finish = "stop" if last in stop else ("length" if generated >= max_tokens else None)
@@ -180,11 +194,11 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], block_size
 
 def stream_generate(model, draft: MLXDraftModel | None, tokenizer, prompt, block_size: int | None = None,
                     max_tokens: int = 256, temperature: float = 0.0, draft_window: int | None = None,
-                    stop_token_ids=None) -> Iterator[DFlashResponse]:
+                    stop_token_ids=None, prefill_step_size: int = 2048) -> Iterator[DFlashResponse]:
     """Speculative generation on an mlx-lm target. prompt: text or token ids. One
     DFlashResponse per loop step. block_size 1 (or draft None) is plain target decoding.
     draft_window: keep at most this many context positions in the draft's cache (default:
-    the draft's sliding_window_size)."""
+    the draft's sliding_window_size). stop_token_ids: default the tokenizer's eos ids."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -196,7 +210,8 @@ def stream_generate(model, draft: MLXDraftModel | None, tokenizer, prompt, block
     tic = time.perf_counter()
     prompt_tps, generated = 0.0, 0
     for i, (new, proposed, accepted, finish) in enumerate(
-            stream_tokens(model, draft, ids, block_size, max_tokens, temperature, stop, draft_window)):
+            stream_tokens(model, draft, ids, block_size, max_tokens, temperature, stop, draft_window,
+                          prefill_step_size)):
         if i == 0:
             prompt_tps = len(ids) / max(time.perf_counter() - tic, 1e-9)
             tic = time.perf_counter()

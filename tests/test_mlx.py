@@ -245,6 +245,21 @@ def test_greedy_equals_mlx_lm(tiny, kind):
         assert out == ref, f"block_size {block_size}"
 
 
+def test_chunked_prefill_and_quantized_target(tiny):
+    """A prompt prefilled in chunks (past the sliding window), and a 4-bit target (what MLX
+    users mostly run), still give the target's own greedy tokens."""
+    import mlx.nn as nn
+
+    path, model, tok, draft = tiny("llama_sliding")
+    ids = tok.encode(PROMPT)
+    ref = _ref_greedy(model, ids, 12)
+    assert [t for s in stream_tokens(model, draft, ids, 4, 12, prefill_step_size=7) for t in s[0]] == ref
+    q_model, _ = load(path)
+    nn.quantize(q_model, group_size=64, bits=4)
+    q_ref = _ref_greedy(q_model, ids, 12)
+    assert [t for s in stream_tokens(q_model, draft, ids, 4, 12) for t in s[0]] == q_ref
+
+
 class OracleDraft:
     """A draft that proposes the reference continuation, wrong at one block slot per step
     (a different one each step), so the loop accepts 0..B-2 tokens and rolls back the rest.
@@ -317,19 +332,55 @@ def test_sampling_is_seeded_and_near_greedy_at_tiny_temperature(tiny):
     assert run(1e-4, 0) == _ref_greedy(model, ids, 12)
 
 
-@pytest.mark.slow
-def test_smollm2_greedy_equals_mlx_lm(tmp_path):
-    from transformers import AutoConfig
-
+@pytest.fixture(scope="module")
+def smollm2():
     from dflash.assets import default_target_dir
 
     path = default_target_dir()
-    model, tok = load(path)
+    return (path, *load(path))
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_mlx_lm(smollm2, tmp_path):
+    from transformers import AutoConfig
+
+    path, model, tok = smollm2
     torch.manual_seed(0)
     DFlashDraftModel(DFlashConfig.for_target(AutoConfig.from_pretrained(path), num_hidden_layers=1,
                                              block_size=4)).save_pretrained(tmp_path / "draft")
     draft = load_draft(tmp_path / "draft")
-    ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True)
-    ref = _ref_greedy(model, ids, 12)
+    ids = tok.encode("The three primary colours are")  # short: MLX prefill is slow on this CPU
+    ref = _ref_greedy(model, ids, 10)
     oracle = OracleDraft(draft, MLXTarget(model), ref, len(ids))  # accepts some, rolls back the rest
-    assert [t for s in stream_tokens(model, oracle, ids, 4, 12) for t in s[0]] == ref
+    steps = list(stream_tokens(model, oracle, ids, 4, 10))
+    assert [t for s in steps for t in s[0]] == ref
+    assert sum(s[2] for s in steps) > 0
+
+
+@pytest.mark.slow
+def test_smollm2_target_and_draft_match_pytorch(smollm2, tmp_path):
+    """The real target: its RoPE settings reach mlx-lm (transformers 5 writes them only as
+    rope_parameters), its hidden states and logits and the draft's match PyTorch."""
+    from transformers import AutoModelForCausalLM
+
+    path, model, tok = smollm2
+    hf = TargetModel(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    torch.manual_seed(0)
+    DFlashDraftModel(DFlashConfig.for_target(hf.model.config, num_hidden_layers=2, block_size=8)
+                     ).save_pretrained(tmp_path / "draft")
+    draft, torch_draft = load_draft(tmp_path / "draft"), DFlashDraftModel.from_pretrained(tmp_path / "draft")
+    ids = tok.encode("The three primary colours are")  # short: MLX prefill is slow on this CPU
+    layer_ids = draft.target_layer_ids
+    with torch.no_grad():
+        t_logits, t_hidden = hf.forward(torch.tensor([ids]), hf.new_cache(), layer_ids)
+        block = torch.tensor([[ids[-1]] + [draft.mask_token_id] * 7])
+        t_out = torch_draft(torch.arange(len(ids) + 8)[None], noise_embedding=hf.embed(block),
+                            target_hidden=t_hidden, past_key_values=torch_draft.new_cache(), use_cache=True)
+        t_block = hf.logits(t_out)
+    target = MLXTarget(model)
+    m_logits, m_hidden = target(mx.array([ids]), target.new_cache(), layer_ids)
+    m_out = draft(target.embed(mx.array(block.numpy())), m_hidden, draft.new_cache())
+    np.testing.assert_allclose(_np(m_hidden), _np(t_hidden), atol=2e-3, rtol=1e-3)
+    np.testing.assert_allclose(_np(m_logits), _np(t_logits), atol=2e-3, rtol=1e-3)
+    np.testing.assert_allclose(_np(m_out), _np(t_out), atol=1e-4)
+    np.testing.assert_allclose(_np(target.logits(m_out)), _np(t_block), atol=1e-3)
