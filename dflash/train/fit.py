@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..config import DFlashConfig
 from ..draft import DFlashDraftModel
 from ..target import TargetModel
-from .blocks import build_batch, chunked_loss_backward, cosine_lambda, draft_hidden, sample_anchors
+from .blocks import VocabSubset, build_batch, chunked_loss_backward, cosine_lambda, draft_hidden, sample_anchors
 from .config import FitConfig
 from .data import Sequence
 
@@ -61,6 +61,15 @@ class Trainer:
             init_from_target(self.draft, hf_model)
         elif cfg.init != "random":
             raise ValueError(f"init must be 'random' or 'target', got {cfg.init!r}")
+        if cfg.init_from:
+            self.draft.load_state_dict(DFlashDraftModel.from_pretrained(cfg.init_from).state_dict())
+        if cfg.loss_vocab == "data":
+            labels = torch.cat([s.labels[s.prompt_len + 1:] for s in self.train_seqs] + [torch.tensor([mask_token_id])])
+            self.subset = VocabSubset(labels, self.target.info.vocab_size)
+        elif cfg.loss_vocab == "full":
+            self.subset = None
+        else:
+            raise ValueError(f"loss_vocab must be 'full' or 'data', got {cfg.loss_vocab!r}")
         self.draft.to(self.device).train()
         self.model = self.draft
         if self.world > 1:
@@ -97,7 +106,7 @@ class Trainer:
             s = seqs[i]
             n = min(len(s.tokens), self.cfg.max_seq_len)
             feats = torch.from_numpy(s.features[: n - 1].astype("float32"))  # (n-1, kH)
-            items.append((s.tokens[:n], feats, self._anchors(epoch, i, s)))
+            items.append((s.tokens[:n], feats, self._anchors(epoch, i, s), s.labels[:n]))
         return build_batch(items, self.cfg.block_size, self.draft.config.mask_token_id, self.cfg.gamma).to(self.device)
 
     # ---- one optimizer step -----------------------------------------------------------
@@ -118,7 +127,8 @@ class Trainer:
             ctx = self.model.no_sync() if (self.world > 1 and not sync) else _null()
             with ctx:
                 hidden = draft_hidden(self.model, self.target, b)  # (N, Q, H)
-                val, ok = chunked_loss_backward(hidden, self.target, b.labels, b.weights, scale, self.cfg.logits_chunk)
+                val, ok = chunked_loss_backward(hidden, self.target, b.labels, b.weights, scale, self.cfg.logits_chunk,
+                                                subset=self.subset)
             loss_sum += val
             correct += int(ok.sum())
             count += ok.numel()

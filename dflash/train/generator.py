@@ -17,6 +17,7 @@ class Generated:
     response_ids: list[int]  # stops after (and includes) the first stop token
     features: torch.Tensor  # (len(prompt)+len(response)-1, k*H) fp16: hidden of every token fed to the target
     finished: bool  # True when a stop token ended it
+    label_ids: list[int] | None = None  # the target's token at each position, when it differs from the tokens
 
 
 def _cache_kwargs(model, cache) -> dict:

@@ -1,0 +1,275 @@
+"""Training: the block mask, loss weights, anchors, data leaks, resume, DDP and an overfit gate."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.target import TargetModel
+from dflash.train.blocks import (IGNORE, anchor_bounds, build_batch, chunked_loss_backward, draft_hidden,
+                                 loss_weights, sample_anchors)
+from dflash.train.config import FitConfig
+from dflash.train.data import DataError, Sequence, check_no_leaks
+from dflash.train.evaluate import block_scores
+from dflash.train.fit import Trainer
+
+from conftest import tiny_draft, tiny_target
+
+LAYERS = [0, 2]
+MASK = 95
+
+
+def features(model, tokens):
+    with torch.no_grad():
+        out = model(input_ids=tokens[None, :-1], output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1] for i in LAYERS], -1)[0]  # (L-1, k*H)
+
+
+def make_seqs(model, n=6, length=40, prompt=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        toks = torch.randint(0, 90, (length,), generator=g)
+        seqs.append(Sequence(f"s{i}", "test", toks, prompt, features(model, toks).half().numpy()))
+    return seqs
+
+
+def fit_cfg(**kw):
+    base = dict(block_size=8, gamma=4.0, anchors_per_seq=4, batch_size=2, lr=1e-3, max_steps=6, heldout_frac=0.0,
+                eval_tau_prompts=0, device="cpu", intermediate_size=64, warmup_frac=0.2)
+    return FitConfig(**{**base, **kw})
+
+
+# ---- mask, weights, anchors -------------------------------------------------------------
+
+def test_loss_weights():
+    w = loss_weights(16, 7.0)
+    assert w[0] == 0
+    for k in range(1, 16):
+        assert math.isclose(float(w[k]), math.exp(-(k - 1) / 7.0), rel_tol=1e-6)
+
+
+def test_anchor_bounds_and_sampling():
+    g = torch.Generator().manual_seed(0)
+    for prompt, length, n in [(5, 40, 8), (5, 10, 100), (3, 5, 2)]:
+        a = sample_anchors(prompt, length, n, g)
+        lo, hi = anchor_bounds(prompt, length)
+        assert len(a) == min(n, hi - lo + 1) and len(set(a.tolist())) == len(a)
+        assert int(a.min()) >= prompt and int(a.max()) <= length - 2
+    assert len(sample_anchors(9, 10, 4, g)) == 0  # no response token with a label
+
+
+def test_batch_labels_stop_at_sequence_end():
+    toks = torch.arange(20)
+    feats = torch.zeros(19, 4)
+    b = build_batch([(toks, feats, torch.tensor([5, 17]))], block_size=8, mask_token_id=99, gamma=4.0)
+    assert b.block_ids[0, 0] == 5 and (b.block_ids[0, 1:8] == 99).all()
+    assert b.labels[0, 1:8].tolist() == list(range(6, 13)) and b.labels[0, 0] == IGNORE
+    assert b.labels[0, 9:].tolist() == [18, 19] + [IGNORE] * 5  # block at 17: labels 18, 19 then the end
+    assert (b.weights[b.labels == IGNORE] == 0).all()
+    assert b.position_ids[0, 19 + 8:].tolist() == list(range(17, 25))
+
+
+def test_block_mask_sees_only_its_context_and_itself():
+    target = tiny_target("llama")
+    tm = TargetModel(target)
+    draft = tiny_draft(target, layers=2, block_size=8, target_layer_ids=LAYERS, mask_token_id=MASK)
+    toks = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(3))
+    feats = features(target, toks)
+    anchors = torch.tensor([10, 20, 30])
+
+    def block_out(f, t, j=1):
+        b = build_batch([(t, f, anchors)], 8, MASK, 4.0)
+        with torch.no_grad():
+            return tm.logits(draft_hidden(draft, tm, b))[0, j * 8:(j + 1) * 8]  # (B, V)
+
+    ref = block_out(feats, toks)
+    f2 = feats.clone()
+    f2[20:] += torch.randn_like(f2[20:])  # context at and after block 1's anchor (20)
+    t2 = toks.clone()
+    t2[10], t2[30] = (t2[10] + 1) % 90, (t2[30] + 1) % 90  # the other blocks' anchor tokens
+    assert torch.allclose(block_out(f2, t2), ref, atol=1e-5)
+    f3 = feats.clone()
+    f3[19] += torch.randn_like(f3[19])  # the context just before the anchor: visible
+    assert not torch.allclose(block_out(f3, toks), ref, atol=1e-3)
+    t3 = toks.clone()
+    t3[20] = (t3[20] + 1) % 90  # the block's own anchor token
+    assert not torch.allclose(block_out(feats, t3), ref, atol=1e-3)
+
+
+def test_chunked_loss_matches_full():
+    target = tiny_target("llama")
+    tm = TargetModel(target)
+    hidden = torch.randn(2, 16, 64, requires_grad=True)
+    labels = torch.randint(0, 96, (2, 16))
+    labels[:, ::8] = IGNORE
+    w = torch.rand(2, 16) * (labels != IGNORE)
+    val, _ = chunked_loss_backward(hidden, tm, labels, w, 0.5, chunk=5)
+    g1 = hidden.grad.clone()
+    hidden.grad = None
+    sel = labels != IGNORE
+    ce = torch.nn.functional.cross_entropy(tm.logits(hidden[sel]), labels[sel], reduction="none")
+    full = (ce * w[sel]).sum() * 0.5
+    full.backward()
+    assert math.isclose(val, float(full.detach()), rel_tol=1e-5)
+    assert torch.allclose(g1, hidden.grad, atol=1e-6)
+
+
+def test_block_scores():
+    labels = torch.zeros(1, 8, dtype=torch.long)
+    labels[0, 0] = labels[0, 4] = IGNORE
+    correct = torch.tensor([[False, True, True, False, False, True, False, True]])
+    acc, cnt, tau = block_scores(correct, labels, 4)
+    assert acc.tolist() == [1.0, 0.5, 0.5] and tau == 2.5  # runs of 2 and 1, +1 each: (3+2)/2
+
+
+# ---- data --------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_no_evaluation_prompt_leaks_into_training():
+    from dflash import prompts as P
+    from dflash.train.data import DataConfig, build_prompts
+
+    rows = build_prompts(DataConfig(num_prompts=60))
+    evals = P.eval_texts()
+    assert rows and not any(P.normalize(r["content"]) in evals for r in rows)
+    assert len({P.normalize(r["content"]) for r in rows}) == len(rows)  # deduplicated
+    assert {r["dataset"] for r in rows} == {"math", "code", "sharegpt"}
+    assert all(int(r["id"].split("/")[1]) not in P.EVAL_MATH_SEEDS for r in rows if r["dataset"] == "math")
+    leak = P.mtbench(limit=1)[0]
+    with pytest.raises(DataError):
+        check_no_leaks(rows + [{"id": "x", "dataset": "sharegpt", "content": "  " + leak.content.upper()}])
+    with pytest.raises(DataError):
+        check_no_leaks([{"id": "math/5", "dataset": "math", "content": "a reserved seed"}])
+
+
+# ---- training state ------------------------------------------------------------------------
+
+def _params(draft):
+    return torch.cat([p.detach().flatten() for p in draft.parameters()])
+
+
+def _grads(draft):  # compare gradients: Adam's first step is sign-like and amplifies rounding
+    return torch.cat([p.grad.flatten() for p in draft.parameters()])
+
+
+def test_resume_gives_the_same_state(tmp_path):
+    target = tiny_target("llama")
+    seqs = make_seqs(target)
+    cfg = fit_cfg(max_steps=6)
+    full = Trainer(cfg, target, seqs, MASK, LAYERS)
+    for _ in range(6):
+        full.train_step()
+    part = Trainer(cfg, target, seqs, MASK, LAYERS)
+    for _ in range(3):
+        part.train_step()
+    ck = part.save(tmp_path)
+    del part  # as if killed: only the checkpoint survives
+    resumed = Trainer(cfg, target, seqs, MASK, LAYERS)
+    resumed.load(ck)
+    assert resumed.step == 3
+    for _ in range(3):
+        resumed.train_step()
+    assert torch.equal(_params(resumed.draft), _params(full.draft))
+    s1, s2 = resumed.opt.state_dict()["state"], full.opt.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
+    assert resumed.sched.get_last_lr() == full.sched.get_last_lr()
+
+
+def test_grad_accumulation_equals_the_combined_batch():
+    target = tiny_target("llama")
+    seqs = make_seqs(target, n=8)
+    a = Trainer(fit_cfg(batch_size=4, grad_accum=1, max_steps=1), target, seqs, MASK, LAYERS)
+    b = Trainer(fit_cfg(batch_size=2, grad_accum=2, max_steps=1), target, seqs, MASK, LAYERS)
+    ra, rb = a.train_step(), b.train_step()
+    assert math.isclose(ra["loss"], rb["loss"], rel_tol=1e-5)
+    assert torch.allclose(_grads(a.draft), _grads(b.draft), rtol=1e-4, atol=1e-7)
+
+
+DDP_SCRIPT = textwrap.dedent('''
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, sys.argv[1])
+    torch.set_num_threads(1)
+    from test_train import fit_cfg, make_seqs, LAYERS, MASK, _params, _grads
+    from conftest import tiny_target
+    from dflash.train.fit import Trainer
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    target = tiny_target("llama")
+    seqs = make_seqs(target, n=8)
+    t = Trainer(fit_cfg(batch_size=4 // world, max_steps=2), target, seqs, MASK, LAYERS)
+    rec = t.train_step()
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({"grads": _grads(t.draft), "params": _params(t.draft), "loss": rec["loss"]}, sys.argv[2])
+    if world > 1:
+        dist.destroy_process_group()
+''')
+
+
+def test_ddp_two_processes_equal_one_process(tmp_path):
+    script = tmp_path / "ddp_step.py"
+    script.write_text(DDP_SCRIPT)
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    subprocess.run([sys.executable, str(script), tests, str(tmp_path / "one.pt")], check=True, env=env, timeout=120)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+                    str(script), tests, str(tmp_path / "two.pt")], check=True, env=env, timeout=120)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert math.isclose(one["loss"], two["loss"], rel_tol=1e-5)
+    assert torch.allclose(one["grads"], two["grads"], rtol=1e-4, atol=1e-7)
+    assert torch.allclose(one["params"], two["params"], atol=2e-3)  # one Adam step of lr 1e-3
+
+
+# ---- overfit gate ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_overfit_one_sequence_reaches_block_size_tau():
+    from dflash.generate import dflash_generate
+    from dflash.train.generator import generate_batch
+
+    target = tiny_target("llama", seed=5)
+    prompt = torch.randint(0, 90, (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    g = generate_batch(target, [prompt], LAYERS, 48, stop_ids=[], pad_id=0)[0]
+    toks = torch.tensor(g.prompt_ids + g.response_ids)
+    seq = Sequence("one", "test", toks, len(prompt), g.features.numpy())
+    cfg = fit_cfg(anchors_per_seq=64, batch_size=1, max_steps=300, lr=3e-3, warmup_frac=0.05, gamma=8.0)
+    t = Trainer(cfg, target, [seq], MASK, LAYERS)
+    for _ in range(cfg.max_steps):
+        rec = t.train_step()
+    assert rec["acc"] > 0.95
+    t.draft.eval()
+    r = dflash_generate(t.draft, t.target, torch.tensor([prompt]), 40, [], 0.0, return_stats=True)
+    assert r.output_ids[0, len(prompt):].tolist() == g.response_ids[:40]  # lossless all the same
+    assert r.tau >= 6.5, r.acceptance_lengths  # block 8: tau near the block size
+
+
+def test_prefill_labels_replace_tokens_as_targets():
+    toks = torch.arange(20)
+    labels = toks + 100  # the target's own predictions differ from the text
+    b = build_batch([(toks, torch.zeros(19, 4), torch.tensor([5]), labels)], 8, 99, 4.0)
+    assert b.block_ids[0, 0] == 5  # the anchor is the real token
+    assert b.labels[0, 1:8].tolist() == list(range(106, 113))
+
+
+def test_vocab_subset_loss_equals_full_loss_over_all_rows():
+    from dflash.train.blocks import VocabSubset
+
+    tm = TargetModel(tiny_target("llama"))
+    hidden = torch.randn(1, 8, 64)
+    labels = torch.randint(0, 96, (1, 8))
+    w = torch.ones(1, 8)
+    full, _ = chunked_loss_backward(hidden, tm, labels, w, 1.0, 4, backward=False)
+    sub, _ = chunked_loss_backward(hidden, tm, labels, w, 1.0, 4, backward=False,
+                                   subset=VocabSubset(torch.arange(96), 96))
+    assert math.isclose(full, sub, rel_tol=1e-5)
+    small, _ = chunked_loss_backward(hidden, tm, labels, w, 1.0, 4, backward=False,
+                                     subset=VocabSubset(labels.flatten(), 96))
+    assert small < full  # a softmax over fewer rows
