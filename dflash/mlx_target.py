@@ -126,12 +126,13 @@ class MLXTarget:
                 self.windows.append(None)
             else:
                 raise UnsupportedTargetError(f"unexpected mlx-lm cache {type(c).__name__} for {model_type}")
+        self._dtype = emb(mx.array([[0]])).dtype
         self.max_positions = int(getattr(model.args, "max_position_embeddings", None) or 1 << 30)
 
     @property
     def dtype(self):
         """The activations' dtype (a quantized embedding stores its weight as uint32)."""
-        return self.inner.embed_tokens(mx.array([[0]])).dtype
+        return self._dtype
 
     def new_cache(self) -> TargetCache:
         return TargetCache(self.windows)

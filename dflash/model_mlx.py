@@ -107,13 +107,17 @@ def _as_ids(tokenizer, prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _check(draft, target: MLXTarget, ids, block_size, max_tokens):
+def _check(draft, target: MLXTarget, ids, block_size, max_tokens, temperature):
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")
     if min(ids) < 0 or max(ids) >= target.vocab_size:
         raise ValueError(f"the prompt holds ids outside the target vocabulary of {target.vocab_size}")
+    if len(ids) >= target.max_positions:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the target's context holds {target.max_positions}")
     if not isinstance(max_tokens, int) or max_tokens < 0:
         raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     if block_size is None:
         block_size = draft.block_size if draft is not None else 1
     if not isinstance(block_size, int) or block_size < 1:
@@ -124,6 +128,8 @@ def _check(draft, target: MLXTarget, ids, block_size, max_tokens):
         c, problems = draft.config, []
         if c.hidden_size != target.hidden_size:
             problems.append(f"draft hidden_size {c.hidden_size} != target {target.hidden_size}")
+        if c.vocab_size != target.vocab_size:
+            problems.append(f"draft vocab_size {c.vocab_size} != target vocabulary {target.vocab_size}")
         if c.num_target_layers != target.num_layers or not all(0 <= i < target.num_layers for i in c.target_layer_ids):
             problems.append(f"draft built for a {c.num_target_layers}-layer target (layers {c.target_layer_ids}), "
                             f"this one has {target.num_layers}")
@@ -133,7 +139,7 @@ def _check(draft, target: MLXTarget, ids, block_size, max_tokens):
             from .target import IncompatibleDraftError
 
             raise IncompatibleDraftError("draft does not fit this target: " + "; ".join(problems))
-    return block_size, min(max_tokens, max(target.max_positions - len(ids), 0))
+    return block_size, min(max_tokens, target.max_positions - len(ids))
 
 
 def _prefill(target: MLXTarget, ids: list[int], cache: TargetCache, layer_ids, step: int):
@@ -155,7 +161,7 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], block_size
     """The loop on token ids: yields (new tokens, proposed, accepted, finish_reason) per step.
     The prompt is prefilled in chunks of prefill_step_size tokens, as mlx-lm does."""
     target = as_target(model)
-    block_size, max_tokens = _check(draft, target, ids, block_size, max_tokens)
+    block_size, max_tokens = _check(draft, target, ids, block_size, max_tokens, temperature)
     if max_tokens == 0:
         return
     stop = frozenset(int(t) for t in stop_token_ids)
