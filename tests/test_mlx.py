@@ -317,6 +317,12 @@ def test_stream_generate_responses_and_stop(tiny):
     assert all(0 <= r.accepted <= r.proposed <= 3 for r in responses)
     full = list(stream_generate(model, draft, tok, ids, max_tokens=5))
     assert sum(len(r.tokens) for r in full) == 5 and full[-1].finish_reason in ("length", "stop")
+    plain = list(stream_generate(model, None, tok, ids, max_tokens=5, stop_token_ids=()))  # no draft: block 1
+    assert [t for r in plain for t in r.tokens] == ref[:5] and all(r.proposed == 0 for r in plain)
+    with pytest.raises(ValueError, match="context holds 256"):
+        next(stream_generate(model, draft, tok, [1] * 256))
+    with pytest.raises(ValueError, match="needs a draft"):
+        next(stream_generate(model, None, tok, ids, block_size=4))
 
 
 def test_sampling_is_seeded_and_near_greedy_at_tiny_temperature(tiny):
