@@ -1,0 +1,231 @@
+"""`dflash bench`: the target alone (HF generate), our loop at block 1, DFlash at the chosen
+block sizes and HF prompt lookup, interleaved prompt by prompt in one process, with the
+output of every method checked equal to the target alone's at temperature 0.
+`dflash profile`: where one speculative step's time goes, and the cost curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .bench_methods import BASELINE, Settings, build_methods
+from .bench_stats import Record, Summary, first_mismatch, summarize
+
+DATASETS = ("humaneval", "mtbench", "math", "sharegpt")
+
+
+class BenchMismatchError(RuntimeError):
+    """A method's greedy output differs from the target alone's."""
+
+
+@dataclass
+class Mismatch:
+    dataset: str
+    prompt_id: str
+    method: str
+    position: int  # first differing new token
+    expected: list[int]  # a few tokens from there on
+    got: list[int]
+
+
+def add_bench(sub) -> None:
+    from .bench_profile import add_profile
+    from .cli import add_model_args
+
+    p = sub.add_parser("bench", help="benchmark DFlash against the target alone and its peers")
+    p.add_argument("--datasets", nargs="+", default=None, choices=DATASETS, metavar="NAME",
+                   help=f"offline prompt sets: {', '.join(DATASETS)} (default: all, or none with --prompts)")
+    p.add_argument("--prompts", metavar="FILE.jsonl", help='your own prompts: one {"prompt": ...} or {"messages": [...]} '
+                   "per line")
+    p.add_argument("--limit", type=int, default=5, help="prompts per dataset (default 5)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--block-size", type=int, nargs="+", default=None, help="DFlash block sizes (default: the draft's)")
+    p.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens for the peer (0: leave out)")
+    p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--output", metavar="results.json", help="write per-prompt records and summaries")
+    p.add_argument("--markdown", metavar="FILE.md", help="write the tables as Markdown")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    add_model_args(p)
+    p.set_defaults(func=run_bench_command)
+    add_profile(sub)
+
+
+def load_prompts(datasets, prompts_file, limit):
+    from .prompts import load_dataset, load_prompts_file
+
+    prompts = []
+    if prompts_file:
+        prompts += load_prompts_file(prompts_file)[: limit or None]
+    for name in datasets:
+        prompts += load_dataset(name, limit)
+    return prompts
+
+
+def encode(pipe, prompt) -> torch.Tensor:
+    if prompt.text is not None:
+        return pipe.encode_text(prompt.text)
+    return pipe.encode_chat(prompt.messages)
+
+
+def run_bench(pipe, prompts, methods, max_new_tokens: int, on_record=None, warmup: bool = True) -> list[Record]:
+    """Every method on every prompt, prompt by prompt; the method order rotates from one
+    prompt to the next so no method always runs first (or right after another)."""
+    if warmup and prompts:
+        ids = encode(pipe, prompts[0])
+        for _, fn in methods:
+            fn(pipe, ids, min(8, max_new_tokens))
+    records = []
+    for i, prompt in enumerate(prompts):
+        ids = encode(pipe, prompt)
+        k = i % len(methods)
+        for name, fn in methods[k:] + methods[:k]:
+            rec = fn(pipe, ids, max_new_tokens)
+            rec.method, rec.prompt_id, rec.dataset = name, prompt.id, prompt.dataset
+            rec.text = pipe.tokenizer.decode(rec.output_ids, skip_special_tokens=True)
+            records.append(rec)
+            if on_record:
+                on_record(prompt, rec)
+    return records
+
+
+def check_equal(records: list[Record], baseline: str = BASELINE) -> list[Mismatch]:
+    """Every method's output against the baseline's on the same prompt."""
+    base = {(r.dataset, r.prompt_id): r.output_ids for r in records if r.method == baseline}
+    out = []
+    for r in records:
+        ref = base.get((r.dataset, r.prompt_id))
+        if r.method == baseline or ref is None:
+            continue
+        i = first_mismatch(ref, r.output_ids)
+        if i is not None:
+            out.append(Mismatch(r.dataset, r.prompt_id, r.method, i, ref[i: i + 5], r.output_ids[i: i + 5]))
+    return out
+
+
+def summaries(records: list[Record], block_sizes: dict[str, int], baseline: str = BASELINE) -> list[Summary]:
+    """One Summary per dataset and method, then "all" per method (if several datasets)."""
+    datasets = list(dict.fromkeys(r.dataset for r in records))
+    methods = list(dict.fromkeys(r.method for r in records))
+    groups = datasets + (["all"] if len(datasets) > 1 else [])
+    return [summarize(records, d, m, baseline, block_sizes.get(m, 1)) for d in groups for m in methods]
+
+
+def method_block_sizes(records: list[Record]) -> dict[str, int]:
+    """The block each method verifies: the largest (proposed + 1) seen, 1 without proposals."""
+    out: dict[str, int] = {}
+    for r in records:
+        longest = max((p for p, _, _ in r.steps), default=0)
+        if longest < 0:  # proposals not reported (prompt lookup): the longest commit bounds it
+            longest = max(c for _, _, c in r.steps) - 1
+        out[r.method] = max(out.get(r.method, 1), longest + 1)
+    return out
+
+
+def machine_info() -> dict:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_average": load,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def results_json(args, pipe, prompts, records, sums, mismatches, notes) -> dict:
+    by_id = {(p.dataset, p.id): p for p in prompts}
+    recs = []
+    for r in records:
+        d = r.to_dict()
+        p = by_id[(r.dataset, r.prompt_id)]
+        d["prompt"] = {"messages": p.messages, "text": p.text}
+        recs.append(d)
+    return {"command": "dflash " + shlex.join(sys.argv[1:]) if args is not None else None,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
+            "draft": pipe.draft_path or "random (untrained)", "draft_trained": pipe.draft_trained,
+            "settings": {k: v for k, v in vars(args).items() if k != "func"} if args is not None else None,
+            "notes": notes, "mismatches": [vars(m) for m in mismatches],
+            "summaries": [s.to_dict() for s in sums], "records": recs}
+
+
+def _progress(console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console)
+
+
+def run_bench_command(args) -> int:
+    from rich.console import Console
+
+    from .pipeline import Pipeline
+
+    console = Console(stderr=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    datasets = args.datasets if args.datasets is not None else ([] if args.prompts else list(DATASETS))
+    prompts = load_prompts(datasets, args.prompts, args.limit)
+    pipe = Pipeline.load(args.target, args.draft)
+    blocks = tuple(args.block_size or [pipe.draft.config.block_size])
+    settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline)
+    methods = build_methods(settings)
+    for note in settings.notes:
+        console.print(f"[yellow]{note}[/yellow]")
+    console.print(f"{len(prompts)} prompts x {len(methods)} methods ({', '.join(n for n, _ in methods)}), "
+                  f"max {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+                  f"{torch.get_num_threads()} threads, draft: {pipe.draft_path or 'random (untrained)'}")
+    with _progress(console) as bar:
+        task = bar.add_task("warm-up", total=len(prompts) * len(methods))
+
+        def on_record(prompt, rec):
+            bar.update(task, advance=1, description=f"{prompt.dataset}/{prompt.id} {rec.method}")
+
+        records = run_bench(pipe, prompts, methods, args.max_new_tokens, on_record)
+    mismatches = check_equal(records) if args.temperature == 0 else []
+    sums = summaries(records, method_block_sizes(records))
+    console.print(_title(args, pipe))
+    from .bench_report import rich_table
+
+    console.print(rich_table(sums, "dflash bench"))
+    _write_outputs(args, pipe, prompts, records, sums, mismatches, settings.notes, console)
+    return _report_mismatches(mismatches, console)
+
+
+def _title(args, pipe) -> str:
+    draft = pipe.draft_path or "[red]UNTRAINED random draft[/red]"
+    return f"speedup = median tok/s over the target alone (HF generate, greedy) on the same prompts; draft: {draft}"
+
+
+def _write_outputs(args, pipe, prompts, records, sums, mismatches, notes, console) -> None:
+    from .bench_report import markdown_positions, markdown_table, write_plots
+
+    if args.output:
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results_json(args, pipe, prompts, records, sums, mismatches, notes), indent=1) + "\n")
+        console.print(f"wrote {path}")
+    if args.markdown:
+        path = Path(args.markdown)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown_table(sums) + "\nPer-position acceptance:\n\n" + markdown_positions(sums))
+        console.print(f"wrote {path}")
+    if args.plots:
+        for p in write_plots(sums, BASELINE, Path(args.plots)):
+            console.print(f"wrote {p}")
+
+
+def _report_mismatches(mismatches: list[Mismatch], console) -> int:
+    if not mismatches:
+        return 0
+    console.print(f"[bold red]MISMATCH: {len(mismatches)} greedy output(s) differ from the target alone's[/bold red]")
+    for m in mismatches:
+        console.print(f"[red]  {m.dataset}/{m.prompt_id} {m.method}: first difference at new token {m.position}: "
+                      f"expected {m.expected}, got {m.got}[/red]")
+    return 1

@@ -1,0 +1,231 @@
+"""Where a speculative step's time goes, and the cost curve that decides the block size.
+
+- `step_profile`: run the real loop with timers around the draft forward, the draft's
+  lm_head, the target's verify forward; the rest of each step is host work.
+- `overhead_ratio`: one block-B step with a random draft (tau = 1) against one plain
+  decode step (block 1) of the same loop, interleaved in one run.
+- `target_cost_curve` / `draft_cost_curve`: forward time for n query tokens at a few
+  context lengths, and the draft's time per block size.
+Nothing here changes the engine: timers wrap the pipeline's objects and are removed after."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .generate import _draft, stream_generate
+from .sampling import SamplingParams
+
+TARGET_NS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+CONTEXTS = (128, 512, 1024)
+DRAFT_BLOCKS = (2, 4, 8, 12, 16, 24, 32)
+PARTS = ("draft_forward", "draft_head", "verify_forward")
+
+
+def median_ms(xs) -> float:
+    return round(statistics.median(xs) * 1e3, 3) if xs else float("nan")
+
+
+@contextmanager
+def _timed(obj, name: str, key: str, sink: dict):
+    """Shadow obj.<name> with a timed wrapper that adds its seconds to sink[key]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink[key] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+    try:
+        yield
+    finally:
+        delattr(obj, name)
+
+
+@contextmanager
+def instrument(draft, target):
+    """Yield a dict accumulating seconds per part while the loop runs: `verify_forward`
+    (every target forward, prefill included), `draft_head` (the lm_head on the draft's
+    hidden states) and `draft_forward` (the draft network)."""
+    raw = defaultdict(float)
+    with _timed(target, "forward", "verify_forward", raw), _timed(target, "logits", "draft_head", raw):
+        if draft is None:
+            yield raw
+            return
+        with _timed(draft, "forward", "draft_forward", raw):
+            yield raw
+
+
+@dataclass
+class StepTimes:
+    block_size: int
+    steps: int
+    tokens_per_step: float
+    step_ms: float  # median over steps
+    parts_ms: dict = field(default_factory=dict)  # median per part: PARTS + host
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def profile_steps(draft, target, input_ids, block_size: int, max_new_tokens: int) -> StepTimes:
+    """Per-step medians of each part of the loop (the prefill step is left out); host is the
+    step's wall time minus its timed parts (sampling, verification, cache crops, Python)."""
+    per_step, wall, tokens = defaultdict(list), [], []
+    with instrument(draft, target) as raw:
+        snap, last = dict(raw), time.perf_counter()
+        for i, step in enumerate(stream_generate(draft, target, input_ids, max_new_tokens, (), SamplingParams(),
+                                                 block_size)):
+            now = time.perf_counter()
+            if i > 0:
+                wall.append(now - last)
+                tokens.append(len(step.tokens))
+                for name in PARTS:
+                    per_step[name].append(raw[name] - snap.get(name, 0.0))
+            snap, last = dict(raw), time.perf_counter()
+    parts = {name: median_ms(per_step[name]) for name in PARTS}
+    parts["host"] = median_ms([w - sum(per_step[n][i] for n in PARTS) for i, w in enumerate(wall)])
+    return StepTimes(block_size, len(wall), sum(tokens) / max(len(tokens), 1), median_ms(wall), parts)
+
+
+def overhead_ratio(draft, target, input_ids, block_size: int = 16, max_new_tokens: int = 48, rounds: int = 3) -> dict:
+    """Block-`block_size` steps against plain decode steps of the same loop, alternated in
+    `rounds` rounds; with an untrained draft (tau ~1) each step commits ~1 token, so the
+    ratio is the engine's cost per step. Also the bare forward ratio n=block_size vs n=1."""
+    plain, spec = [], []
+    for _ in range(rounds):
+        plain.append(profile_steps(None, target, input_ids, 1, max_new_tokens))
+        spec.append(profile_steps(draft, target, input_ids, block_size, max_new_tokens))
+    p_ms = statistics.median(s.step_ms for s in plain)
+    s_ms = statistics.median(s.step_ms for s in spec)
+    bare = target_cost_curve(target, (1, block_size), (input_ids.shape[1] + max_new_tokens // 2,), repeats=3 * rounds)
+    (row,) = bare["rows"]
+    return {"block_size": block_size, "plain_step_ms": round(p_ms, 2), "block_step_ms": round(s_ms, 2),
+            "ratio": round(s_ms / p_ms, 3), "bare_forward_ratio": round(row["ms"][1] / row["ms"][0], 3),
+            "tokens_per_step": round(statistics.median(s.tokens_per_step for s in spec), 3),
+            "block_parts_ms": _median_parts(spec), "plain_parts_ms": _median_parts(plain)}
+
+
+def _median_parts(runs: list[StepTimes]) -> dict:
+    return {k: round(statistics.median(r.parts_ms[k] for r in runs), 2) for k in runs[0].parts_ms}
+
+
+def _prefill(target, ctx: int, generator: torch.Generator):
+    cache = target.new_cache()
+    ids = torch.randint(0, target.info.vocab_size, (1, ctx), generator=generator)
+    target.forward(ids, cache, None, logits_to_keep=1)
+    return cache
+
+
+@torch.inference_mode()
+def target_cost_curve(target, ns=TARGET_NS, contexts=CONTEXTS, repeats: int = 5, layer_ids=None, seed: int = 0) -> dict:
+    """Median ms of one target forward over n query tokens (all logits kept, as in
+    verification) after `ctx` cached tokens; n values interleaved within each repeat."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for ctx in contexts:
+        cache, times = _prefill(target, ctx, g), defaultdict(list)
+        for _ in range(repeats + 1):  # the first pass warms up
+            for n in ns:
+                ids = torch.randint(0, target.info.vocab_size, (1, n), generator=g)
+                t = time.perf_counter()
+                target.forward(ids, cache, layer_ids)
+                times[n].append(time.perf_counter() - t)
+                cache.crop_to(ctx)
+        rows.append({"context": ctx, "ms": [median_ms(times[n][1:]) for n in ns]})
+    return {"ns": list(ns), "rows": rows}
+
+
+@torch.inference_mode()
+def draft_cost_curve(draft, target, blocks=DRAFT_BLOCKS, context: int = 512, repeats: int = 5, seed: int = 0) -> dict:
+    """Median ms of one draft step (noise embedding, draft forward over 1 new context token
+    + the block, lm_head on the proposals, argmax) with `context` tokens in its cache."""
+    g = torch.Generator().manual_seed(seed)
+    k_h = len(draft.config.target_layer_ids) * target.info.hidden_size
+    cache = draft.new_cache()
+    ctx_hidden = torch.randn(1, context, k_h, generator=g)
+    params, mask_id, last = SamplingParams(), draft.config.mask_token_id, torch.tensor([1])
+    _draft(draft, target, cache, ctx_hidden, last, context, 2, mask_id, params, None)  # fills the cache
+    times = defaultdict(list)
+    for _ in range(repeats + 1):
+        for b in blocks:
+            one = torch.randn(1, 1, k_h, generator=g)
+            t = time.perf_counter()
+            _draft(draft, target, cache, one, last, context + 1, b, mask_id, params, None)
+            times[b].append(time.perf_counter() - t)
+            cache.crop_to(context)
+    return {"context": context, "blocks": list(blocks), "ms": [median_ms(times[b][1:]) for b in blocks],
+            "draft_layers": draft.config.num_hidden_layers}
+
+
+# ---- `dflash profile` ------------------------------------------------------------------
+def add_profile(sub) -> None:
+    from .cli import add_model_args
+
+    p = sub.add_parser("profile", help="profile one speculative step and measure the block-size cost curve")
+    p.add_argument("--block-size", type=int, default=16, help="block of the overhead check (default 16)")
+    p.add_argument("--profile-blocks", type=int, nargs="+", default=[4, 8, 16], help="blocks of the step profile")
+    p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="context lengths of the cost curve")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the overhead check")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="benchmarks/profile", help="folder for profile.json, profile.md, cost_curve.png")
+    add_model_args(p)
+    p.set_defaults(func=run_profile_command)
+
+
+PROFILE_PROMPT = "Write a Python function that returns the first n prime numbers, with a docstring and a test."
+
+
+def random_like(draft):
+    """An untrained draft with the same shape as `draft` (tau ~1: the engine's bare cost)."""
+    from .draft import DFlashDraftModel
+
+    torch.manual_seed(0)
+    return DFlashDraftModel(draft.config).eval()
+
+
+def run_profile_command(args) -> int:
+    from pathlib import Path
+
+    from .bench import machine_info
+    from .bench_report import plot_cost_curve, profile_markdown
+    from .pipeline import Pipeline
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = Pipeline.load(args.target, args.draft)
+    ids = pipe.encode_chat([{"role": "user", "content": PROFILE_PROMPT}])
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"overhead check: block {args.block_size} with a random draft vs plain decoding ...")
+    result = {"machine": machine_info(), "draft": pipe.draft_path or "random (untrained)",
+              "overhead": overhead_ratio(random_like(pipe.draft), pipe.target, ids, args.block_size,
+                                         args.max_new_tokens, args.rounds)}
+    say(f"step profile with the {'shipped' if pipe.draft_trained else 'random'} draft ...")
+    result["steps"] = [profile_steps(None, pipe.target, ids, 1, args.max_new_tokens).to_dict()]
+    result["steps"] += [profile_steps(pipe.draft, pipe.target, ids, b, args.max_new_tokens).to_dict()
+                        for b in args.profile_blocks]
+    say("target cost curve ...")
+    result["target_curve"] = target_cost_curve(pipe.target, TARGET_NS, tuple(args.contexts), args.repeats,
+                                               pipe.draft.config.target_layer_ids)
+    say("draft cost curve ...")
+    result["draft_curve"] = draft_cost_curve(pipe.draft, pipe.target, DRAFT_BLOCKS, 512, args.repeats)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "profile.md").write_text(profile_markdown(result))
+    plot_cost_curve(result, out / "cost_curve.png")
+    print(profile_markdown(result))
+    say(f"wrote {out}/profile.json, profile.md, cost_curve.png")
+    return 0

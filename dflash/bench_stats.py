@@ -1,0 +1,138 @@
+"""Benchmark records and the statistics computed from them (pure functions, no models)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Record:
+    """One method on one prompt. `steps` holds (proposed, accepted, committed) per verify
+    step of a speculative method: draft tokens proposed, of which accepted, tokens committed
+    (accepted + the target's own token, fewer when a stop token cut the step short).
+    proposed = -1: the method does not say how many it proposed (HF prompt lookup). tau
+    counts every step after the prefill, as `GenerationResult.tau` does (a last step cut to
+    one token by max_new_tokens proposes nothing and commits 1)."""
+    method: str
+    output_ids: list[int]  # the new tokens only
+    num_input_tokens: int
+    total_time: float  # seconds, prefill included
+    time_to_first_token: float
+    steps: list[tuple[int, int, int]] = field(default_factory=list)
+    finish_reason: str = "length"
+    peak_memory_mb: float = 0.0  # peak resident memory while it ran, over the process before it
+    prompt_id: str = ""
+    dataset: str = ""
+    text: str = ""
+    extra: dict = field(default_factory=dict)  # method-specific counters (e.g. vLLM's)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return [c for _, _, c in self.steps]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["steps"] = [list(s) for s in self.steps]
+        d.update(num_output_tokens=self.num_output_tokens, acceptance_lengths=self.acceptance_lengths,
+                 tau=tau(self.acceptance_lengths), tokens_per_s=round(self.tokens_per_s, 3))
+        return d
+
+
+def tau(acceptance_lengths: list[int]) -> float | None:
+    """Mean acceptance length (accepted + 1 per step, vLLM's convention); None without steps."""
+    return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else None
+
+
+def histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
+    """counts[i] = steps that committed i+1 tokens, i = 0..block_size-1."""
+    c = Counter(acceptance_lengths)
+    return [c.get(i, 0) for i in range(1, block_size + 1)]
+
+
+def per_position_acceptance(steps: list[tuple[int, int, int]], block_size: int) -> list[float | None]:
+    """rate[k-1] = P(draft position k accepted | position k was proposed), k = 1..B-1 (not
+    conditioned on earlier positions: the share of drafts reaching k, as vLLM counts it)."""
+    offered, accepted = [0] * (block_size - 1), [0] * (block_size - 1)
+    for p, a, _ in steps:
+        for k in range(min(p, block_size - 1)):  # p = -1 (unknown) counts nowhere
+            offered[k] += 1
+            accepted[k] += k < a
+    return [a / o if o else None for a, o in zip(accepted, offered)]
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def paired_speedups(records: list[Record], method: str, baseline: str) -> dict[str, float]:
+    """(dataset, prompt_id) -> method tokens/s over baseline tokens/s, for prompts both ran
+    (at temperature 0 the outputs are equal, so this is also the time ratio)."""
+    by = {(r.method, r.dataset, r.prompt_id): r for r in records}
+    out = {}
+    for (m, ds, pid), r in by.items():
+        b = by.get((baseline, ds, pid))
+        if m == method and b is not None and r.total_time > 0 and b.num_output_tokens and r.num_output_tokens:
+            out[(ds, pid)] = (b.total_time / b.num_output_tokens) / (r.total_time / r.num_output_tokens)
+    return out
+
+
+@dataclass
+class Summary:
+    """One method on one dataset (or "all")."""
+    dataset: str
+    method: str
+    prompts: int
+    tokens: int
+    tau: float | None
+    tau_histogram: list[int]
+    position_acceptance: list[float | None]
+    tokens_per_s: float | None  # median over prompts
+    ttft_ms: float | None  # median
+    speedup: float | None  # ratio of median tokens/s against the baseline, same prompts
+    speedup_paired_median: float | None  # median of the per-prompt ratios
+    peak_memory_mb: float | None  # max over prompts
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(records: list[Record], dataset: str, method: str, baseline: str, block_size: int) -> Summary:
+    rs = [r for r in records if r.method == method and (dataset == "all" or r.dataset == dataset)]
+    base = {(r.dataset, r.prompt_id): r for r in records
+            if r.method == baseline and (dataset == "all" or r.dataset == dataset)}
+    steps = [s for r in rs for s in r.steps]
+    lengths = [c for _, _, c in steps]
+    paired = [r for r in rs if (r.dataset, r.prompt_id) in base]
+    speedup = None
+    if paired:
+        m_tps = median([r.tokens_per_s for r in paired])
+        b_tps = median([base[r.dataset, r.prompt_id].tokens_per_s for r in paired])
+        speedup = m_tps / b_tps if m_tps and b_tps else None
+    ratios = paired_speedups(rs + list(base.values()), method, baseline)
+    return Summary(dataset, method, len(rs), sum(r.num_output_tokens for r in rs), tau(lengths),
+                   histogram(lengths, block_size), per_position_acceptance(steps, block_size),
+                   median([r.tokens_per_s for r in rs]), _ms(median([r.time_to_first_token for r in rs])),
+                   speedup, median(list(ratios.values())), max((r.peak_memory_mb for r in rs), default=None))
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
+def first_mismatch(reference: list[int], other: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), None when equal."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))

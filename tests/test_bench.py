@@ -1,0 +1,140 @@
+"""dflash bench on a tiny random target: records, statistics, the equality check, outputs."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_draft, tiny_target
+from dflash import bench, bench_methods
+from dflash.bench_methods import BASELINE, Settings, build_methods
+from dflash.bench_stats import (Record, first_mismatch, histogram, paired_speedups, per_position_acceptance,
+                                summarize, tau)
+from dflash.cli import main
+from dflash.pipeline import Pipeline
+from dflash.prompts import Prompt
+from dflash.target import TargetModel
+
+
+class ByteTokenizer:
+    """Enough of a tokenizer for the bench: text <-> ids (bytes folded into the vocabulary)."""
+    eos_token_id, pad_token_id, unk_token_id, chat_template = 95, 0, None, None
+
+    def __call__(self, text, return_tensors="pt", add_special_tokens=True):
+        class Out:
+            input_ids = torch.tensor([[1 + b % 90 for b in text.encode()]])
+        return Out()
+
+    def convert_tokens_to_ids(self, tok):
+        return None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    target = tiny_target("llama")
+    return Pipeline(TargetModel(target), tiny_draft(target, block_size=8), ByteTokenizer(), False)
+
+
+PROMPTS = [Prompt(id=str(i), dataset=ds, messages=[{"role": "user", "content": text}])
+           for i, (ds, text) in enumerate([("code", "def f(x): return x"), ("code", "print hello hello hello"),
+                                           ("chat", "a b c d e f")])]
+
+
+def test_records_complete_and_consistent(pipe):
+    methods = build_methods(Settings(block_sizes=(4, 8)))
+    names = [n for n, _ in methods]
+    assert names == [BASELINE, "prompt-lookup-10", "loop-b1", "dflash-b4", "dflash-b8"]
+    records = bench.run_bench(pipe, PROMPTS, methods, 12, warmup=False)
+    assert len(records) == len(PROMPTS) * len(methods)
+    assert {(r.dataset, r.prompt_id, r.method) for r in records} == {(p.dataset, p.id, n) for p in PROMPTS for n in names}
+    for r in records:
+        assert 0 < r.num_output_tokens <= 12 and r.total_time > 0 and 0 < r.time_to_first_token <= r.total_time
+        assert r.num_input_tokens > 0
+        if r.method.startswith(("dflash", "loop")):  # prefill token + every step's commits
+            assert 1 + sum(c for _, _, c in r.steps) == r.num_output_tokens
+            assert all(0 <= a <= p and c <= a + 1 for p, a, c in r.steps)
+        if r.method.startswith("dflash"):
+            assert r.acceptance_lengths == [c for _, _, c in r.steps] and r.steps[0][0] > 0
+        if r.method.startswith("prompt-lookup"):  # one streamer push per step after the first token
+            assert 1 + sum(c for _, _, c in r.steps) == r.num_output_tokens
+        d = r.to_dict()
+        assert d["output_ids"] == r.output_ids and d["text"] == r.text and "acceptance_lengths" in d
+    assert bench.check_equal(records) == []  # greedy: every method equals the target alone
+
+
+def test_tau_histogram_and_positions_from_known_steps():
+    steps = [(7, 7, 8), (7, 2, 3), (7, 0, 1), (3, 3, 4)]  # the last block was cut to 4 by max_new_tokens
+    lengths = [c for _, _, c in steps]
+    assert tau(lengths) == pytest.approx((8 + 3 + 1 + 4) / 4)
+    assert tau([]) is None
+    assert histogram(lengths, 8) == [1, 0, 1, 1, 0, 0, 0, 1]
+    rates = per_position_acceptance(steps, 8)
+    assert rates[0] == pytest.approx(3 / 4)  # accepted in steps 1, 2, 4
+    assert rates[1] == pytest.approx(3 / 4)
+    assert rates[2] == pytest.approx(2 / 4)  # step 4 accepted its 3rd and last proposal
+    assert rates[3] == pytest.approx(1 / 3)  # step 4 did not propose position 4
+    assert rates[6] == pytest.approx(1 / 3)
+    r = Record("dflash-b8", list(range(1 + sum(lengths))), 5, 2.0, 0.1, steps, prompt_id="p", dataset="d")
+    s = summarize([r], "d", "dflash-b8", BASELINE, 8)
+    assert s.tau == pytest.approx(4.0) and s.tau_histogram == [1, 0, 1, 1, 0, 0, 0, 1]
+    assert s.speedup is None  # no baseline record
+
+
+def test_speedup_is_paired_by_prompt():
+    recs = [Record(BASELINE, [1] * 10, 3, t, 0.1, prompt_id=p, dataset="d") for p, t in (("a", 1.0), ("b", 4.0))]
+    recs += [Record("m", [1] * 10, 3, t, 0.1, prompt_id=p, dataset="d") for p, t in (("a", 0.5), ("b", 1.0))]
+    assert paired_speedups(recs, "m", BASELINE) == {("d", "a"): 2.0, ("d", "b"): 4.0}
+    s = summarize(recs, "d", "m", BASELINE, 1)
+    assert s.speedup == pytest.approx(median_tps([20, 10]) / median_tps([10, 2.5]))
+    assert s.speedup_paired_median == pytest.approx(3.0)
+
+
+def median_tps(xs):
+    return sorted(xs)[len(xs) // 2 - 1] / 2 + sorted(xs)[len(xs) // 2] / 2
+
+
+def test_equality_check_fires_on_a_planted_mismatch(pipe, capsys):
+    def corrupt(p, ids, n):
+        rec = bench_methods.loop_method(8, Settings())(p, ids, n)
+        rec.output_ids[3] = (rec.output_ids[3] + 1) % 96
+        return rec
+
+    methods = build_methods(Settings(block_sizes=(8,), prompt_lookup=0)) + [("planted", corrupt)]
+    records = bench.run_bench(pipe, PROMPTS[:2], methods, 10, warmup=False)
+    found = bench.check_equal(records)
+    assert [(m.method, m.position) for m in found] == [("planted", 3), ("planted", 3)]
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2 and first_mismatch([1, 2], [1, 2]) is None
+
+
+def _prompt_file(tmp_path, lines):
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bad_prompts_file_names_the_line(tmp_path, capsys):
+    path = _prompt_file(tmp_path, ['{"prompt": "fine"}', '{"prompt": 3}', "not json"])
+    assert main(["bench", "--prompts", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "line 2" in err and "mine.jsonl" in err
+
+
+def test_command_writes_json_markdown_plots(pipe, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
+    path = _prompt_file(tmp_path, ['{"prompt": "def add(a, b):"}', '{"messages": [{"role": "user", "content": "hi"}]}'])
+    out = tmp_path / "r.json"
+    rc = main(["bench", "--prompts", str(path), "--max-new-tokens", "10", "--block-size", "4", "8",
+               "--output", str(out), "--markdown", str(tmp_path / "r.md"), "--plots", str(tmp_path / "plots")])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert len(data["records"]) == 2 * 5 and data["mismatches"] == []
+    rec = data["records"][0]
+    assert {"prompt", "output_ids", "text", "acceptance_lengths", "total_time", "time_to_first_token"} <= set(rec)
+    assert any("vLLM" in n for n in data["notes"]) or data["notes"] == []
+    assert "dflash-b8" in (tmp_path / "r.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "acceptance_histogram.png", "position_acceptance.png", "speedup.png"]
+    assert "dflash bench" in capsys.readouterr().err
