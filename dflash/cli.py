@@ -13,6 +13,7 @@ SUBCOMMANDS = (
     ("dflash.cli", "add_generate"),
     ("dflash.train.cli", "add_train"),
     ("dflash.server", "add_serve"),
+    ("dflash.bench", "add_bench"),
 )
 
 
