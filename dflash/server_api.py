@@ -35,7 +35,10 @@ class ServerState:
     max_model_len: int
     api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def tokenizer_lock(self) -> threading.Lock:
+        return self.worker.tokenizer_lock
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -120,8 +123,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         req = parse_body(ChatRequest, await request.body())
         state.check_model(req.model)
-        with state.tokenizer_lock:
-            ids = state.pipe.encode_chat([m.as_dict() for m in req.messages])
+        try:
+            with state.tokenizer_lock:
+                ids = state.pipe.encode_chat([m.as_dict() for m in req.messages])
+        except Exception as e:  # e.g. a chat template that refuses this order of roles
+            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
         settings = state.settings(req, ids.shape[1], None)
         return await _respond(request, state, ids, settings, _ChatFormat(state.model_name), req)
 
@@ -145,7 +151,7 @@ def _token_ids(state: ServerState, ids: list[int]):
 
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     def error(e: ApiError):
-        state.metrics.rejected.labels(reason=e.code or str(e.status)).inc()
+        state.metrics.errors.labels(code=e.code or str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(ApiError)

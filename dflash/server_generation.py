@@ -97,11 +97,14 @@ def make_generator(settings: GenSettings) -> torch.Generator | None:
 
 
 def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_token_ids,
-                  cancelled: Callable[[], bool] = lambda: False, block_size: int | None = None) -> Iterator[Delta | Done]:
+                  cancelled: Callable[[], bool] = lambda: False, block_size: int | None = None,
+                  tokenizer_lock=None) -> Iterator[Delta | Done]:
     """Run the speculative loop; yield a Delta per step and one Done at the end. `cancelled`
-    is checked between steps: when it turns true the generation ends with "abort"."""
+    is checked between steps: when it turns true the generation ends with "abort".
+    `tokenizer_lock` (a threading.Lock) is held around decoding when other threads share
+    the tokenizer."""
     params = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
-    decoder, stops, stats = IncrementalDecoder(pipe.tokenizer), StopMatcher(settings.stop), SpecStats()
+    decoder, stops, stats = IncrementalDecoder(pipe.tokenizer, lock=tokenizer_lock), StopMatcher(settings.stop), SpecStats()
     start = time.perf_counter()
     ttft, n_tokens, finish = 0.0, 0, "length"
     steps = stream_generate(pipe.draft, pipe.target, input_ids, settings.max_tokens, stop_token_ids, params,

@@ -37,8 +37,8 @@ class Metrics:
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.success = Counter(p + "request_success", "Finished requests, by finish reason", ["finished_reason"],
                                registry=r)
-        self.rejected = Counter(p + "request_rejected", "Requests refused before generation, by reason",
-                                ["reason"], registry=r)
+        self.errors = Counter(p + "request_errors", "Error responses, by code (queue_full, invalid_api_key, "
+                              "context_length_exceeded, status for others)", ["code"], registry=r)
         self.latency = Histogram(p + "e2e_request_latency_seconds", "Request latency, from arrival to the last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(p + "request_queue_time_seconds", "Time a request waited for the model worker",

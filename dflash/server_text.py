@@ -5,6 +5,8 @@ of a step does not grow with the length of the output."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes half a UTF-8 character to
 
 
@@ -16,15 +18,17 @@ class IncrementalDecoder:
     as a full `decode`. Text ending in half a UTF-8 character is held back until the rest
     arrives (or `flush`)."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, lock=None):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._lock = lock or nullcontext()  # held around each decode call, if the tokenizer is shared
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # ids before this have been turned into emitted text
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
+        with self._lock:
+            return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, new_ids: list[int]) -> str:
         self._ids.extend(new_ids)

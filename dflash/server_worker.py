@@ -55,11 +55,13 @@ class Job:
 
 
 class Worker:
-    def __init__(self, pipe, max_queue: int = 64, metrics: Metrics | None = None, block_size: int | None = None):
+    def __init__(self, pipe, max_queue: int = 64, metrics: Metrics | None = None, block_size: int | None = None,
+                 tokenizer_lock: threading.Lock | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.pipe = pipe
         self.block_size = block_size
+        self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the threads that encode
         self.max_queue = max_queue
         self.metrics = metrics
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
@@ -149,7 +151,7 @@ class Worker:
             return
         try:
             for event in generate_text(self.pipe, job.input_ids, job.settings, self._stop_ids,
-                                       lambda: job.cancelled, self.block_size):
+                                       lambda: job.cancelled, self.block_size, self.tokenizer_lock):
                 self._emit(job, event)
                 if isinstance(event, Done) and self.metrics is not None:
                     self.metrics.observe(event, started - job.arrived, time.perf_counter() - job.arrived)

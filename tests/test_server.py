@@ -242,6 +242,9 @@ def test_server_keeps_serving_after_bad_requests(server, pipe):
         c.chat.completions.create(model=MODEL, messages=[])
     out = c.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=0)
     assert out.choices[0].text == offline_text(pipe, "hello", 8)
+    m = metrics(server.url)
+    assert m[("dflash:request_errors_total", (("code", "model_not_found"),))] >= 1
+    assert m[("dflash:request_errors_total", (("code", "400"),))] >= 2
 
 
 def test_api_key(pipe):
