@@ -147,17 +147,23 @@ class Worker:
     def _serve(self, job: Job) -> None:
         started = time.perf_counter()
         if job.cancelled:  # the client left (or the server is ending) while it waited
-            self._emit(job, Done("abort", int(job.input_ids.shape[1]), 0, SpecStats(), 0.0, 0.0))
+            self._finish(job, Done("abort", int(job.input_ids.shape[1]), 0, SpecStats(), 0.0, 0.0), started)
             return
         try:
             for event in generate_text(self.pipe, job.input_ids, job.settings, self._stop_ids,
                                        lambda: job.cancelled, self.block_size, self.tokenizer_lock):
-                self._emit(job, event)
-                if isinstance(event, Done) and self.metrics is not None:
-                    self.metrics.observe(event, started - job.arrived, time.perf_counter() - job.arrived)
+                if isinstance(event, Done):
+                    self._finish(job, event, started)
+                else:
+                    self._emit(job, event)
         except Exception as e:  # keep serving: this request fails, the next one runs
             log.exception("generation failed")
             self._emit(job, Failed(f"generation failed: {type(e).__name__}: {e}"))
+
+    def _finish(self, job: Job, done: Done, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(done, started - job.arrived, time.perf_counter() - job.arrived)
+        self._emit(job, done)
 
     @staticmethod
     def _emit(job: Job, event) -> None:

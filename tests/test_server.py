@@ -150,6 +150,15 @@ def test_token_id_prompt(server, pipe):
     assert out.choices[0].text == offline_text(pipe, "lazy dog", 10)
 
 
+def test_one_token_and_top_k(server, pipe):
+    c = client(server.url)
+    out = c.completions.create(model=MODEL, prompt="hello", max_tokens=1, temperature=0)
+    assert out.choices[0].text == offline_text(pipe, "hello", 1) and out.usage.completion_tokens == 1
+    out = c.completions.create(model=MODEL, prompt="hello", max_tokens=12, temperature=0.7, seed=3,
+                               extra_body={"top_k": 5})
+    assert out.choices[0].text == offline_text(pipe, "hello", 12, temperature=0.7, seed=3, top_k=5)
+
+
 def test_acceptance_stats_in_usage_and_metrics(pipe):
     perfect = tiny_pipeline(perfect=True)  # every draft token is accepted: tau = block size
     with LiveServer(perfect, model_name=MODEL) as s:
@@ -293,6 +302,18 @@ def test_client_disconnect_stops_generation(slow_pipe):
             httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
         wait_for(lambda: aborted(s.url) == 2)
         assert s.worker.alive
+
+
+def test_client_that_leaves_while_queued_is_skipped(slow_pipe):
+    with LiveServer(slow_pipe, start_worker=False, model_name=MODEL) as s:
+        body = {"prompt": "hello", "max_tokens": 50, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+        wait_for(lambda: metrics(s.url)[("dflash:num_requests_waiting", ())] == 1)
+        time.sleep(0.3)  # let the server notice the disconnect
+        s.worker.start()
+        wait_for(lambda: aborted(s.url) == 1)
+        assert metrics(s.url)[("dflash:generation_tokens_total", ())] == 0  # the model never ran for it
 
 
 def test_full_queue_gets_503_and_queued_requests_complete(slow_pipe, pipe):
