@@ -109,9 +109,9 @@ def tiny_server(max_queue: int):
 
 
 @contextmanager
-def smollm2_server(port: int, max_queue: int, threads: int):
+def smollm2_server(port: int, max_queue: int, threads: int, extra: list[str]):
     cmd = [sys.executable, "-m", "dflash.cli", "serve", "--port", str(port), "--max-queue", str(max_queue),
-           "--threads", str(threads), "--log-level", "warning"]
+           "--threads", str(threads), "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -142,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-queue", type=int, default=64, help="the server's queue bound (tiny/smollm2)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the served model")
+    ap.add_argument("--serve-args", default="", help='more `dflash serve` options (smollm2), e.g. "--block-size 1"')
     ap.add_argument("--out", default=str(Path(__file__).parent / "results.jsonl"))
     args = ap.parse_args(argv)
 
@@ -153,7 +154,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         server, name = tiny_server(args.max_queue), "tiny random Llama (2 layers, hidden 64), random 1-layer draft"
     else:
-        server, name = smollm2_server(args.port, args.max_queue, args.threads), "SmolLM2-135M-Instruct (dflash serve)"
+        extra = args.serve_args.split()
+        server = smollm2_server(args.port, args.max_queue, args.threads, extra)
+        name = "SmolLM2-135M-Instruct (dflash serve" + (f" {args.serve_args}" if extra else "") + ")"
     rows = []
     with server as url:
         asyncio.run(run_load(url, 2, 1, 4, args.api_key))  # warm up
