@@ -50,10 +50,9 @@ class ServerState:
         limit = self.max_model_len
         if prompt_tokens >= limit:
             raise ApiError(400, f"the prompt has {prompt_tokens} tokens, but this model's context holds {limit} "
-                                "tokens (prompt and completion together)", "messages" if isinstance(req, ChatRequest)
-                           else "prompt", "context_length_exceeded")
+                                "tokens (prompt and completion together)", req.PROMPT_FIELD, "context_length_exceeded")
         room = limit - prompt_tokens
-        wanted = req.token_limit if isinstance(req, ChatRequest) else req.max_tokens
+        wanted = req.token_limit
         if wanted is None:
             wanted = room if default_max is None else min(default_max, room)
         elif wanted > room:

@@ -3,7 +3,7 @@ number belongs is a 400, not a guess), and the OpenAI-style error they turn into
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -71,8 +71,13 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
 
 class CompletionRequest(_Sampling):
+    PROMPT_FIELD: ClassVar[str] = "prompt"
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = None
@@ -113,6 +118,7 @@ class Message(_Body):
 
 
 class ChatRequest(_Sampling):
+    PROMPT_FIELD: ClassVar[str] = "messages"
     messages: list[Message]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
