@@ -27,6 +27,18 @@ TARGET_NS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (128, 512, 1024)
 DRAFT_BLOCKS = (2, 4, 8, 12, 16, 24, 32)
 PARTS = ("draft_forward", "draft_head", "verify_forward")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = [time.perf_counter]
+
+
+def clock() -> float:
+    return _clock[0]()
+
+
+def set_clock(name: str) -> None:
+    """"wall" (default) or "cpu": this process's CPU time, which a loaded machine's time
+    slicing does not inflate (use it with --threads 1: with more threads it counts spinning)."""
+    _clock[0] = CLOCKS[name]
 
 
 def median_ms(xs) -> float:
@@ -39,11 +51,11 @@ def _timed(obj, name: str, key: str, sink: dict):
     fn = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
-        t = time.perf_counter()
+        t = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            sink[key] += time.perf_counter() - t
+            sink[key] += clock() - t
 
     setattr(obj, name, wrapper)
     try:
@@ -83,16 +95,16 @@ def profile_steps(draft, target, input_ids, block_size: int, max_new_tokens: int
     step's wall time minus its timed parts (sampling, verification, cache crops, Python)."""
     per_step, wall, tokens = defaultdict(list), [], []
     with instrument(draft, target) as raw:
-        snap, last = dict(raw), time.perf_counter()
+        snap, last = dict(raw), clock()
         for i, step in enumerate(stream_generate(draft, target, input_ids, max_new_tokens, (), SamplingParams(),
                                                  block_size)):
-            now = time.perf_counter()
+            now = clock()
             if i > 0:
                 wall.append(now - last)
                 tokens.append(len(step.tokens))
                 for name in PARTS:
                     per_step[name].append(raw[name] - snap.get(name, 0.0))
-            snap, last = dict(raw), time.perf_counter()
+            snap, last = dict(raw), clock()
     parts = {name: median_ms(per_step[name]) for name in PARTS}
     parts["host"] = median_ms([w - sum(per_step[n][i] for n in PARTS) for i, w in enumerate(wall)])
     return StepTimes(block_size, len(wall), sum(tokens) / max(len(tokens), 1), median_ms(wall), parts)
@@ -138,9 +150,9 @@ def target_cost_curve(target, ns=TARGET_NS, contexts=CONTEXTS, repeats: int = 5,
         for _ in range(repeats + 1):  # the first pass warms up
             for n in ns:
                 ids = torch.randint(0, target.info.vocab_size, (1, n), generator=g)
-                t = time.perf_counter()
+                t = clock()
                 target.forward(ids, cache, layer_ids)
-                times[n].append(time.perf_counter() - t)
+                times[n].append(clock() - t)
                 cache.crop_to(ctx)
         rows.append({"context": ctx, "ms": [median_ms(times[n][1:]) for n in ns]})
     return {"ns": list(ns), "rows": rows}
@@ -160,9 +172,9 @@ def draft_cost_curve(draft, target, blocks=DRAFT_BLOCKS, context: int = 512, rep
     for _ in range(repeats + 1):
         for b in blocks:
             one = torch.randn(1, 1, k_h, generator=g)
-            t = time.perf_counter()
+            t = clock()
             _draft(draft, target, cache, one, last, context + 1, b, mask_id, params, None)
-            times[b].append(time.perf_counter() - t)
+            times[b].append(clock() - t)
             cache.crop_to(context)
     return {"context": context, "blocks": list(blocks), "ms": [median_ms(times[b][1:]) for b in blocks],
             "draft_layers": draft.config.num_hidden_layers}
@@ -180,6 +192,8 @@ def add_profile(sub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the overhead check")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                   help="wall time, or this process's CPU time (steadier on a busy machine; use with --threads 1)")
     p.add_argument("--out", default="benchmarks/profile", help="folder for profile.json, profile.md, cost_curve.png")
     add_model_args(p)
     p.set_defaults(func=run_profile_command)
@@ -205,11 +219,12 @@ def run_profile_command(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_clock(args.clock)
     pipe = Pipeline.load(args.target, args.draft)
     ids = pipe.encode_chat([{"role": "user", "content": PROFILE_PROMPT}])
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     say(f"overhead check: block {args.block_size} with a random draft vs plain decoding ...")
-    result = {"machine": machine_info(), "draft": pipe.draft_path or "random (untrained)",
+    result = {"machine": machine_info(), "clock": args.clock, "draft": pipe.draft_path or "random (untrained)",
               "overhead": overhead_ratio(random_like(pipe.draft), pipe.target, ids, args.block_size,
                                          args.max_new_tokens, args.rounds)}
     say(f"step profile with the {'shipped' if pipe.draft_trained else 'random'} draft ...")
@@ -221,6 +236,7 @@ def run_profile_command(args) -> int:
                                                pipe.draft.config.target_layer_ids)
     say("draft cost curve ...")
     result["draft_curve"] = draft_cost_curve(pipe.draft, pipe.target, DRAFT_BLOCKS, 512, args.repeats)
+    result["head_cost"] = head_cost(pipe.target, args.block_size - 1, repeats=args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -229,3 +245,21 @@ def run_profile_command(args) -> int:
     print(profile_markdown(result))
     say(f"wrote {out}/profile.json, profile.md, cost_curve.png")
     return 0
+
+
+@torch.inference_mode()
+def head_cost(target, positions: int = 15, vocab_sizes=(None, 16384, 8192, 4096), repeats: int = 5) -> dict:
+    """What the draft's lm_head + argmax over `positions` proposals costs with the full
+    vocabulary (None) and with only the first K rows (a draft vocabulary; a what-if: the
+    engine uses the full head today)."""
+    w = target.embed_weight if target.head is None else target.head.weight  # (V, H)
+    hidden = torch.randn(1, positions, w.shape[1])
+    times = defaultdict(list)
+    for _ in range(repeats + 1):
+        for k in vocab_sizes:
+            rows = w if k is None else w[:k]
+            t = clock()
+            (hidden @ rows.T).argmax(-1)
+            times[k].append(clock() - t)
+    return {"positions": positions, "vocab": [k or w.shape[0] for k in vocab_sizes],
+            "ms": [median_ms(times[k][1:]) for k in vocab_sizes]}

@@ -133,7 +133,7 @@ def write_plots(summaries: list[Summary], baseline: str, folder: Path) -> list[P
 def profile_markdown(result: dict) -> str:
     o = result["overhead"]
     lines = [f"Machine: {result['machine']['threads']} torch threads, load average "
-             f"{_load(result['machine'])}; draft: {result['draft']}.", "",
+             f"{_load(result['machine'])}; clock: {result.get('clock', 'wall')}; draft: {result['draft']}.", "",
              f"**Engine overhead** (random draft, tau {o['tokens_per_step']:.2f}): one block-{o['block_size']} step "
              f"{o['block_step_ms']:.1f} ms vs one plain decode step {o['plain_step_ms']:.1f} ms: "
              f"**{o['ratio']:.2f}x** (a bare {o['block_size']}-token target forward: {o['bare_forward_ratio']:.2f}x).",
@@ -155,6 +155,12 @@ def profile_markdown(result: dict) -> str:
     lines += ["", f"Draft step ({d['draft_layers']} layers, context {d['context']}; lm_head and argmax included), "
               "median ms per block size:", "", "| block | " + " | ".join(str(b) for b in d["blocks"]) + " |",
               "|---|" + "---|" * len(d["blocks"]), "| ms | " + " | ".join(f"{m:.1f}" for m in d["ms"]) + " |"]
+    h = result.get("head_cost")
+    if h:
+        lines += ["", f"The draft's lm_head + argmax over {h['positions']} proposals, full vocabulary vs its first K rows "
+                  "(what a draft vocabulary would cost), median ms:", "",
+                  "| vocabulary | " + " | ".join(str(v) for v in h["vocab"]) + " |", "|---|" + "---|" * len(h["vocab"]),
+                  "| ms | " + " | ".join(f"{m:.1f}" for m in h["ms"]) + " |"]
     return "\n".join(lines) + "\n"
 
 

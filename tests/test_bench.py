@@ -10,9 +10,9 @@ from dflash import bench, bench_methods
 from dflash.bench_methods import BASELINE, Settings, build_methods
 from dflash.bench_stats import (Record, first_mismatch, histogram, paired_speedups, per_position_acceptance,
                                 summarize, tau)
-from dflash.cli import main
+import argparse
 from dflash.pipeline import Pipeline
-from dflash.prompts import Prompt
+from dflash.prompts import Prompt, PromptFileError
 from dflash.target import TargetModel
 
 
@@ -107,6 +107,19 @@ def test_equality_check_fires_on_a_planted_mismatch(pipe, capsys):
     found = bench.check_equal(records)
     assert [(m.method, m.position) for m in found] == [("planted", 3), ("planted", 3)]
     assert first_mismatch([1, 2, 3], [1, 2]) == 2 and first_mismatch([1, 2], [1, 2]) is None
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    assert bench._report_mismatches(found, console) == 1  # the command's exit status
+    assert "MISMATCH: 2 greedy output(s) differ" in console.export_text()
+
+
+def main(argv):
+    """`dflash bench ...` through its own parser (the other subcommands stay out of it)."""
+    parser = argparse.ArgumentParser(prog="dflash")
+    bench.add_bench(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
 
 
 def _prompt_file(tmp_path, lines):
@@ -117,9 +130,8 @@ def _prompt_file(tmp_path, lines):
 
 def test_bad_prompts_file_names_the_line(tmp_path, capsys):
     path = _prompt_file(tmp_path, ['{"prompt": "fine"}', '{"prompt": 3}', "not json"])
-    assert main(["bench", "--prompts", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert "line 2" in err and "mine.jsonl" in err
+    with pytest.raises(PromptFileError, match=r"mine.jsonl, line 2: .*string"):
+        main(["bench", "--prompts", str(path)])
 
 
 def test_command_writes_json_markdown_plots(pipe, tmp_path, monkeypatch, capsys):
