@@ -1,0 +1,81 @@
+"""`dflash generate` end to end on a tiny target folder and draft checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+from dflash.cli import main
+from dflash.generate import dflash_generate
+from dflash.pipeline import Pipeline
+from test_server_support import tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    pipe = tiny_pipeline(block_size=4)
+    pipe.target.model.save_pretrained(root / "target")
+    pipe.tokenizer.save_pretrained(root / "target")
+    pipe.draft.save_pretrained(root / "draft")
+    return root, pipe
+
+
+def test_generate_json_equals_library(folders, capsys):
+    root, pipe = folders
+    rc = main(["generate", "hello world", "--target", str(root / "target"), "--draft", str(root / "draft"),
+               "--max-new-tokens", "12", "--json", "--compare"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    loaded = Pipeline.load(str(root / "target"), str(root / "draft"), quiet=True)
+    ids = loaded.encode_chat([{"role": "user", "content": "hello world"}])
+    out = dflash_generate(loaded.draft, loaded.target, ids, 12, loaded.stop_token_ids)
+    assert report["text"] == loaded.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert report["num_output_tokens"] == out.shape[1] - ids.shape[1]
+    assert report["tau"] >= 1 and report["speedup"] > 0 and report["target_alone_tokens_per_s"] > 0
+
+
+def test_generate_streams_text_and_reports(folders, capsys):
+    root, _ = folders
+    rc = main(["generate", "hello", "--target", str(root / "target"), "--draft", str(root / "draft"),
+               "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "3"])
+    out = capsys.readouterr()
+    assert rc == 0 and "tau" in out.err and "tokens/s" in out.err
+
+
+def test_random_draft_says_so(folders, capsys):
+    root, _ = folders
+    assert main(["generate", "hi", "--target", str(root / "target"), "--draft", "random", "--max-new-tokens", "3"]) == 0
+    assert "UNTRAINED" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "/nonexistent/draft"], "does not exist"),
+    (["--block-size", "0"], "block_size must be an integer >= 1"),
+    (["--messages", "[]"], "message list is empty"),
+    (["--messages", "{bad"], "not valid JSON"),
+])
+def test_bad_input_is_a_clear_error(folders, capsys, args, message):
+    root, _ = folders
+    argv = ["generate", "hi", "--target", str(root / "target"), "--max-new-tokens", "3"]
+    if "--draft" not in args:
+        argv += ["--draft", str(root / "draft")]
+    try:
+        rc = main(argv + args)
+    except SystemExit as e:  # argument errors exit with their message
+        rc, err = 2, str(e)
+    else:
+        err = capsys.readouterr().err
+    assert rc == 2 and message in err
+
+
+def test_mismatched_draft_is_named(folders, tmp_path, capsys):
+    root, pipe = folders
+    from dflash.config import DFlashConfig
+    from dflash.draft import DFlashDraftModel
+    cfg = DFlashConfig.for_target(pipe.target.model.config, num_hidden_layers=1)
+    cfg.hidden_size = 32  # built for another target
+    torch.manual_seed(0)
+    DFlashDraftModel(DFlashConfig(**{**cfg.__dict__, "hidden_size": 32, "head_dim": 8})).save_pretrained(tmp_path / "d")
+    rc = main(["generate", "hi", "--target", str(root / "target"), "--draft", str(tmp_path / "d")])
+    assert rc == 2 and "hidden_size 32 != target hidden_size 64" in capsys.readouterr().err
