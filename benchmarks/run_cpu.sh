@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/cpu}
 LIMIT=${LIMIT:-6}
-$PY -m dflash.cli profile --out "$OUT/profile" ${PROFILE_ARGS:-}
-$PY -m dflash.cli bench --datasets humaneval math mtbench sharegpt --limit "$LIMIT" --max-new-tokens 128 \
-    --block-size 8 16 --output "$OUT/results.json" --markdown "$OUT/results.md" --plots "$OUT" ${BENCH_ARGS:-}
+$PY -m dflash.bench profile --out "$OUT/profile" ${PROFILE_ARGS:-}
+$PY -m dflash.bench bench --datasets humaneval math mtbench sharegpt --limit "$LIMIT" --max-new-tokens 128 \
+    --block-size 8 16 --output "$OUT/results.json" --markdown "$OUT/results.md" --plots "$OUT" \
+    --profile-json "$OUT/profile/profile.json" ${BENCH_ARGS:-}

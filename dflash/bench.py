@@ -56,6 +56,8 @@ def add_bench(sub) -> None:
     p.add_argument("--output", metavar="results.json", help="write per-prompt records and summaries")
     p.add_argument("--markdown", metavar="FILE.md", help="write the tables as Markdown")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--profile-json", metavar="FILE", help="a `dflash profile` result: adds the predicted speedup "
+                   "per block size (this run's acceptance x the cost curve) to the Markdown")
     add_model_args(p)
     p.set_defaults(func=run_bench_command)
     add_profile(sub)
@@ -164,6 +166,7 @@ def _progress(console):
 
 def run_bench_command(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from .pipeline import Pipeline
 
@@ -177,7 +180,7 @@ def run_bench_command(args) -> int:
     settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline)
     methods = build_methods(settings)
     for note in settings.notes:
-        console.print(f"[yellow]{note}[/yellow]")
+        console.print(note, style="yellow", markup=False)
     console.print(f"{len(prompts)} prompts x {len(methods)} methods ({', '.join(n for n, _ in methods)}), "
                   f"max {args.max_new_tokens} new tokens, temperature {args.temperature}, "
                   f"{torch.get_num_threads()} threads, draft: {pipe.draft_path or 'random (untrained)'}")
@@ -185,7 +188,9 @@ def run_bench_command(args) -> int:
         task = bar.add_task("warm-up", total=len(prompts) * len(methods))
 
         def on_record(prompt, rec):
-            bar.update(task, advance=1, description=f"{prompt.dataset}/{prompt.id} {rec.method}")
+            bar.update(task, advance=1, description=escape(f"{prompt.dataset}/{prompt.id} {rec.method}"))
+            if not console.is_terminal:  # a log file gets one line per record instead of the bar
+                console.print(_record_line(rec, bar.tasks[0]), markup=False, highlight=False)
 
         records = run_bench(pipe, prompts, methods, args.max_new_tokens, on_record)
     mismatches = check_equal(records) if args.temperature == 0 else []
@@ -198,13 +203,20 @@ def run_bench_command(args) -> int:
     return _report_mismatches(mismatches, console)
 
 
+def _record_line(rec: Record, task) -> str:
+    tau = f" tau {sum(rec.acceptance_lengths) / len(rec.acceptance_lengths):.2f}" if rec.steps else ""
+    eta = f", ETA {task.time_remaining:.0f} s" if task.time_remaining else ""
+    return (f"[{task.completed}/{task.total}] {rec.dataset}/{rec.prompt_id} {rec.method}: {rec.num_output_tokens} tokens "
+            f"in {rec.total_time:.1f} s ({rec.tokens_per_s:.1f} tok/s){tau}{eta}")
+
+
 def _title(args, pipe) -> str:
     draft = pipe.draft_path or "[red]UNTRAINED random draft[/red]"
     return f"speedup = median tok/s over the target alone (HF generate, greedy) on the same prompts; draft: {draft}"
 
 
 def _write_outputs(args, pipe, prompts, records, sums, mismatches, notes, console) -> None:
-    from .bench_report import markdown_positions, markdown_table, write_plots
+    from .bench_report import markdown_block_choice, markdown_positions, markdown_table, write_plots
 
     if args.output:
         path = Path(args.output)
@@ -214,7 +226,10 @@ def _write_outputs(args, pipe, prompts, records, sums, mismatches, notes, consol
     if args.markdown:
         path = Path(args.markdown)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(markdown_table(sums) + "\nPer-position acceptance:\n\n" + markdown_positions(sums))
+        text = markdown_table(sums) + "\nPer-position acceptance:\n\n" + markdown_positions(sums)
+        if args.profile_json:
+            text += "\n" + markdown_block_choice(sums, json.loads(Path(args.profile_json).read_text()))
+        path.write_text(text)
         console.print(f"wrote {path}")
     if args.plots:
         for p in write_plots(sums, BASELINE, Path(args.plots)):
@@ -226,6 +241,27 @@ def _report_mismatches(mismatches: list[Mismatch], console) -> int:
         return 0
     console.print(f"[bold red]MISMATCH: {len(mismatches)} greedy output(s) differ from the target alone's[/bold red]")
     for m in mismatches:
-        console.print(f"[red]  {m.dataset}/{m.prompt_id} {m.method}: first difference at new token {m.position}: "
-                      f"expected {m.expected}, got {m.got}[/red]")
+        console.print(f"  {m.dataset}/{m.prompt_id} {m.method}: first difference at new token {m.position}: "
+                      f"expected {m.expected}, got {m.got}", style="red", markup=False)
     return 1
+
+
+def main(argv=None) -> int:
+    """`python -m dflash.bench {bench,profile} ...`: the same commands as `dflash bench` and
+    `dflash profile`, without importing the other subcommands."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash.bench")
+    add_bench(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -191,3 +191,32 @@ def plot_cost_curve(result: dict, path: Path) -> Path:
     b.set(xlabel="block size", ylabel="draft step / target step at n=1",
           title=f"draft step cost ({d['draft_layers']} layers, context {d['context']})")
     return _save(fig, plt, path)
+
+
+def markdown_block_choice(summaries: list[Summary], profile: dict, context: int = 512) -> str:
+    """Predicted speedup per block size: each dataset's per-position acceptance (measured at
+    its largest DFlash block) against the profile's cost curve at the context nearest `context`."""
+    from .bench_stats import expected_commits, predicted_speedup
+
+    curve = profile["target_curve"]
+    row = min(curve["rows"], key=lambda r: abs(r["context"] - context))
+    target_ms = dict(zip(curve["ns"], row["ms"]))
+    draft_ms = dict(zip(profile["draft_curve"]["blocks"], profile["draft_curve"]["ms"]))
+    blocks = [b for b in curve["ns"] if b == 1 or b in draft_ms]
+    best: dict[str, Summary] = {}
+    for s in summaries:
+        if s.method.startswith("dflash-b") and s.dataset != "all":
+            if s.dataset not in best or len(s.position_acceptance) > len(best[s.dataset].position_acceptance):
+                best[s.dataset] = s
+    if not best:
+        return ""
+    lines = [f"Predicted speedup by block size (tau from per-position acceptance x cost curve at context "
+             f"{row['context']}; host work left out):", "", "| dataset | " + " | ".join(f"b{b}" for b in blocks) + " |",
+             "|---|" + "---|" * len(blocks)]
+    for ds, s in best.items():
+        cells = []
+        for b in blocks:
+            sp = predicted_speedup(s.position_acceptance, b, target_ms, draft_ms) if b <= len(s.position_acceptance) + 1 else None
+            cells.append("-" if sp is None else f"{sp:.2f}x (tau {expected_commits(s.position_acceptance, b):.2f})")
+        lines.append(f"| {ds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -136,3 +136,18 @@ def first_mismatch(reference: list[int], other: list[int]) -> int | None:
         if a != b:
             return i
     return None if len(reference) == len(other) else min(len(reference), len(other))
+
+
+def expected_commits(rates: list[float | None], block_size: int) -> float:
+    """Tokens one step commits at `block_size`, from unconditional per-position acceptance
+    measured at a block at least as large: 1 (the target's token) + sum of P(k accepted)."""
+    return 1.0 + sum(r or 0.0 for r in rates[: block_size - 1])
+
+
+def predicted_speedup(rates: list[float | None], block_size: int, target_ms: dict[int, float],
+                      draft_ms: dict[int, float]) -> float | None:
+    """tau(B) * T_target(1) / (T_target(B) + T_draft(B)), host work left out."""
+    if block_size not in target_ms or (block_size > 1 and block_size not in draft_ms):
+        return None
+    step = target_ms[block_size] + (draft_ms.get(block_size, 0.0) if block_size > 1 else 0.0)
+    return expected_commits(rates, block_size) * target_ms[1] / step

@@ -150,3 +150,20 @@ def test_command_writes_json_markdown_plots(pipe, tmp_path, monkeypatch, capsys)
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "acceptance_histogram.png", "position_acceptance.png", "speedup.png"]
     assert "dflash bench" in capsys.readouterr().err
+
+
+def test_block_choice_from_acceptance_and_cost_curve():
+    from dflash.bench_report import markdown_block_choice
+    from dflash.bench_stats import Summary, expected_commits, predicted_speedup
+
+    rates = [0.8, 0.6, 0.4, 0.2, 0.1, 0.0, 0.0]
+    assert expected_commits(rates, 1) == 1.0 and expected_commits(rates, 4) == pytest.approx(2.8)
+    target_ms, draft_ms = {1: 10.0, 4: 15.0, 8: 20.0}, {4: 5.0, 8: 6.0}
+    assert predicted_speedup(rates, 4, target_ms, draft_ms) == pytest.approx(2.8 * 10 / 20)
+    assert predicted_speedup(rates, 1, target_ms, draft_ms) == pytest.approx(1.0)
+    assert predicted_speedup(rates, 2, target_ms, draft_ms) is None  # no cost measured at 2
+    s = Summary("code", "dflash-b8", 1, 10, 2.0, [], rates, 1.0, 1.0, 1.0, 1.0, 1.0)
+    profile = {"target_curve": {"ns": [1, 4, 8], "rows": [{"context": 512, "ms": [10.0, 15.0, 20.0]}]},
+               "draft_curve": {"blocks": [4, 8], "ms": [5.0, 6.0]}}
+    md = markdown_block_choice([s], profile)
+    assert "| code | 1.00x (tau 1.00) | 1.40x (tau 2.80) |" in md
