@@ -273,3 +273,15 @@ def test_vocab_subset_loss_equals_full_loss_over_all_rows():
     small, _ = chunked_loss_backward(hidden, tm, labels, w, 1.0, 4, backward=False,
                                      subset=VocabSubset(labels.flatten(), 96))
     assert small < full  # a softmax over fewer rows
+
+
+def test_a_shard_counts_only_once_its_jsonl_is_in_place(tmp_path):
+    from dflash.train.data import finished_shards, load_sequences, write_shard
+
+    (tmp_path / "data_config.json").write_text('{"layer_ids": [0, 2]}')
+    rows = [{"id": "a", "dataset": "math", "prompt_ids": [1, 2], "response_ids": [3, 4, 5], "offset": 0}]
+    write_shard(tmp_path, 0, rows, [torch.ones(4, 6)])
+    np.save(tmp_path / "shard-00001.feat.npy", np.zeros((4, 6), np.float16))  # killed before its .jsonl
+    assert finished_shards(tmp_path) == [0]
+    (seq,) = load_sequences(tmp_path)
+    assert seq.tokens.tolist() == [1, 2, 3, 4, 5] and seq.prompt_len == 2 and seq.features.shape == (4, 6)

@@ -185,7 +185,7 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     todo = [i for i in range(n_shards) if i not in done]
     log(f"data: {len(rows)} prompts, {n_shards} shards, {len(done)} done, {len(todo)} to go -> {out}")
     gen = torch.Generator().manual_seed(cfg.seed)
-    start, new_tokens = time.time(), 0
+    start, new_tokens, cpu0 = time.time(), 0, time.process_time()
     for j, index in enumerate(todo):
         chunk = rows[index * cfg.shard_size:(index + 1) * cfg.shard_size]
         enc = []
@@ -214,7 +214,8 @@ def run_data(cfg: DataConfig, log=print) -> Path:
         el = time.time() - start
         rate = new_tokens / max(el, 1e-9)
         log(f"[{'#' * int(20 * (j + 1) / len(todo)):<20}] shard {index + 1}/{n_shards}  "
-            f"{new_tokens} new tokens  {rate:.1f} tok/s  elapsed {_eta(el)}  ETA {_eta(el / (j + 1) * (len(todo) - j - 1))}")
+            f"{new_tokens} new tokens  {rate:.1f} tok/s  cpu {time.process_time() - cpu0:.0f}s  "
+            f"elapsed {_eta(el)}  ETA {_eta(el / (j + 1) * (len(todo) - j - 1))}")
     return out
 
 

@@ -63,13 +63,12 @@ class Trainer:
             raise ValueError(f"init must be 'random' or 'target', got {cfg.init!r}")
         if cfg.init_from:
             self.draft.load_state_dict(DFlashDraftModel.from_pretrained(cfg.init_from).state_dict())
-        if cfg.loss_vocab == "data":
-            labels = torch.cat([s.labels[s.prompt_len + 1:] for s in self.train_seqs] + [torch.tensor([mask_token_id])])
-            self.subset = VocabSubset(labels, self.target.info.vocab_size)
-        elif cfg.loss_vocab == "full":
-            self.subset = None
-        else:
-            raise ValueError(f"loss_vocab must be 'full' or 'data', got {cfg.loss_vocab!r}")
+        self.subset = None
+        if cfg.loss_vocab in ("data", "sampled"):
+            self.label_vocab = torch.cat([s.labels[s.prompt_len + 1:] for s in self.train_seqs]).unique()
+            self.subset = VocabSubset(self.label_vocab, self.target.info.vocab_size)
+        elif cfg.loss_vocab != "full":
+            raise ValueError(f"loss_vocab must be 'full', 'sampled' or 'data', got {cfg.loss_vocab!r}")
         self.draft.to(self.device).train()
         self.model = self.draft
         if self.world > 1:
@@ -121,6 +120,10 @@ class Trainer:
             dist.all_reduce(ntok)
         scale = self.world / max(float(wsum), 1e-9)  # DDP averages over ranks: this makes it a global mean
         self.opt.zero_grad(set_to_none=True)
+        if self.cfg.loss_vocab == "sampled":  # the same rows on every rank: seeded by the step
+            g = torch.Generator().manual_seed(self.cfg.seed * 15_485_863 + self.step)
+            neg = torch.randperm(self.target.info.vocab_size, generator=g)[: self.cfg.loss_negatives]
+            self.subset = VocabSubset(torch.cat([self.label_vocab, neg]), self.target.info.vocab_size)
         loss_sum, correct, count = 0.0, 0, 0
         for m, b in enumerate(batches):
             sync = m == len(batches) - 1 or self.world == 1
