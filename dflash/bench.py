@@ -50,6 +50,8 @@ def add_bench(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--block-size", type=int, nargs="+", default=None, help="DFlash block sizes (default: the draft's)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens for the peer (0: leave out)")
+    p.add_argument("--draft-vocab", type=int, nargs="*", default=[], metavar="K",
+                   help="what-if: also DFlash at the largest block with the draft's lm_head over ids < K only")
     p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -171,13 +173,16 @@ def run_bench_command(args) -> int:
     from .pipeline import Pipeline
 
     console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(stderr=True, width=140)
     if args.threads:
         torch.set_num_threads(args.threads)
     datasets = args.datasets if args.datasets is not None else ([] if args.prompts else list(DATASETS))
     prompts = load_prompts(datasets, args.prompts, args.limit)
     pipe = Pipeline.load(args.target, args.draft)
     blocks = tuple(args.block_size or [pipe.draft.config.block_size])
-    settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline)
+    settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline,
+                        tuple(args.draft_vocab))
     methods = build_methods(settings)
     for note in settings.notes:
         console.print(note, style="yellow", markup=False)

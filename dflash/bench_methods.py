@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,6 +33,7 @@ class Settings:
     seed: int = 0
     prompt_lookup: int = 10  # prompt_lookup_num_tokens; 0 leaves the peer out
     loop_baseline: bool = True  # our loop at block size 1
+    draft_vocabs: tuple[int, ...] = ()  # what-if: the draft's lm_head over ids < K only (largest block)
     notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
 
 
@@ -96,10 +98,16 @@ def _rss() -> int:
 
 
 # ---- our loop ------------------------------------------------------------------------
-def loop_method(block_size: int, settings: Settings) -> Method:
+def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None) -> Method:
     """dflash's loop at `block_size` (1: plain target decoding through the same loop)."""
 
     def run(pipe, input_ids, max_new_tokens) -> Record:
+        if draft_vocab:
+            with draft_vocabulary(pipe.target, draft_vocab):
+                return _run(pipe, input_ids, max_new_tokens)
+        return _run(pipe, input_ids, max_new_tokens)
+
+    def _run(pipe, input_ids, max_new_tokens) -> Record:
         gen = torch.Generator().manual_seed(settings.seed) if settings.temperature > 0 else None
         params = SamplingParams(settings.temperature)
         tokens, steps, ttft, finish = [], [], 0.0, "length"
@@ -118,6 +126,29 @@ def loop_method(block_size: int, settings: Settings) -> Method:
         return Record(_loop_name(block_size), tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb)
 
     return run
+
+
+@contextmanager
+def draft_vocabulary(target, k: int):
+    """While active, the draft's lm_head (`target.logits`, which only the draft step calls;
+    verification uses the HF model's own head) scores ids < k only, the others get -inf.
+    SmolLM2's BPE ids are roughly frequency-ranked, so the low ids are the common tokens.
+    Output stays exact: only the proposals change."""
+    weight = target.model.get_output_embeddings().weight[:k]  # (k, H)
+    vocab = target.info.vocab_size
+
+    def logits(hidden):
+        out = hidden.new_full((*hidden.shape[:-1], vocab), float("-inf"))  # (B, T, V)
+        out[..., :k] = hidden @ weight.T
+        return out
+
+    if target.softcap:
+        raise ValueError("--draft-vocab does not support targets with logit softcapping")
+    target.logits = logits
+    try:
+        yield
+    finally:
+        del target.logits
 
 
 def _loop_name(block_size: int) -> str:
@@ -185,7 +216,11 @@ def _hf_methods(settings: Settings):
 @register_provider
 def _loop_methods(settings: Settings):
     sizes = ([1] if settings.loop_baseline else []) + [b for b in settings.block_sizes if b > 1]
-    return [(_loop_name(b), loop_method(b, settings)) for b in dict.fromkeys(sizes)]
+    methods = [(_loop_name(b), loop_method(b, settings)) for b in dict.fromkeys(sizes)]
+    top = max(settings.block_sizes)
+    if top > 1:
+        methods += [(f"{_loop_name(top)}-v{k}", loop_method(top, settings, k)) for k in settings.draft_vocabs]
+    return methods
 
 
 @register_provider

@@ -167,3 +167,15 @@ def test_block_choice_from_acceptance_and_cost_curve():
                "draft_curve": {"blocks": [4, 8], "ms": [5.0, 6.0]}}
     md = markdown_block_choice([s], profile)
     assert "| code | 1.00x (tau 1.00) | 1.40x (tau 2.80) |" in md
+
+
+def test_draft_vocabulary_what_if_stays_exact(pipe):
+    methods = build_methods(Settings(block_sizes=(8,), prompt_lookup=0, draft_vocabs=(48,)))
+    assert [n for n, _ in methods] == [BASELINE, "loop-b1", "dflash-b8", "dflash-b8-v48"]
+    with bench_methods.draft_vocabulary(pipe.target, 48):
+        logits = pipe.target.logits(torch.randn(1, 3, 64))
+        assert logits.shape == (1, 3, 96) and torch.isinf(logits[..., 48:]).all()
+    assert "logits" not in vars(pipe.target)
+    records = bench.run_bench(pipe, PROMPTS[:2], methods, 12, warmup=False)
+    assert bench.check_equal(records) == []
+    assert {r.method for r in records} == {n for n, _ in methods}
