@@ -54,6 +54,8 @@ def add_bench(sub) -> None:
                    help="what-if: also DFlash at the largest block with the draft's lm_head over ids < K only")
     p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="start no new prompt after S seconds; the prompts done so far are reported")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--output", metavar="results.json", help="write per-prompt records and summaries")
     p.add_argument("--markdown", metavar="FILE.md", help="write the tables as Markdown")
@@ -66,14 +68,13 @@ def add_bench(sub) -> None:
 
 
 def load_prompts(datasets, prompts_file, limit):
+    """The prompts, round-robin across the sets (a run stopped early still covers each)."""
     from .prompts import load_dataset, load_prompts_file
 
-    prompts = []
-    if prompts_file:
-        prompts += load_prompts_file(prompts_file)[: limit or None]
-    for name in datasets:
-        prompts += load_dataset(name, limit)
-    return prompts
+    groups = [load_prompts_file(prompts_file)[: limit or None]] if prompts_file else []
+    groups += [load_dataset(name, limit) for name in datasets]
+    longest = max((len(g) for g in groups), default=0)
+    return [g[i] for i in range(longest) for g in groups if i < len(g)]
 
 
 def encode(pipe, prompt) -> torch.Tensor:
@@ -82,15 +83,19 @@ def encode(pipe, prompt) -> torch.Tensor:
     return pipe.encode_chat(prompt.messages)
 
 
-def run_bench(pipe, prompts, methods, max_new_tokens: int, on_record=None, warmup: bool = True) -> list[Record]:
+def run_bench(pipe, prompts, methods, max_new_tokens: int, on_record=None, warmup: bool = True,
+              deadline: float | None = None) -> list[Record]:
     """Every method on every prompt, prompt by prompt; the method order rotates from one
-    prompt to the next so no method always runs first (or right after another)."""
+    prompt to the next so no method always runs first (or right after another). No new
+    prompt starts after `deadline` (a time.monotonic() value)."""
     if warmup and prompts:
         ids = encode(pipe, prompts[0])
         for _, fn in methods:
             fn(pipe, ids, min(8, max_new_tokens))
     records = []
     for i, prompt in enumerate(prompts):
+        if deadline is not None and time.monotonic() > deadline:
+            break
         ids = encode(pipe, prompt)
         k = i % len(methods)
         for name, fn in methods[k:] + methods[:k]:
@@ -197,7 +202,12 @@ def run_bench_command(args) -> int:
             if not console.is_terminal:  # a log file gets one line per record instead of the bar
                 console.print(_record_line(rec, bar.tasks[0]), markup=False, highlight=False)
 
-        records = run_bench(pipe, prompts, methods, args.max_new_tokens, on_record)
+        deadline = time.monotonic() + args.time_budget if args.time_budget else None
+        records = run_bench(pipe, prompts, methods, args.max_new_tokens, on_record, deadline=deadline)
+    done = len(records) // len(methods)
+    if done < len(prompts):
+        settings.notes.append(f"time budget reached: {done} of {len(prompts)} prompts done")
+        console.print(settings.notes[-1], style="yellow", markup=False)
     mismatches = check_equal(records) if args.temperature == 0 else []
     sums = summaries(records, method_block_sizes(records))
     console.print(_title(args, pipe))

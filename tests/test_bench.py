@@ -179,3 +179,22 @@ def test_draft_vocabulary_what_if_stays_exact(pipe):
     records = bench.run_bench(pipe, PROMPTS[:2], methods, 12, warmup=False)
     assert bench.check_equal(records) == []
     assert {r.method for r in records} == {n for n, _ in methods}
+
+
+def test_time_budget_stops_between_prompts(pipe):
+    import time
+
+    methods = build_methods(Settings(block_sizes=(8,), prompt_lookup=0, loop_baseline=False))
+    assert bench.run_bench(pipe, PROMPTS, methods, 4, warmup=False, deadline=time.monotonic() - 1) == []
+    records = bench.run_bench(pipe, PROMPTS, methods, 4, warmup=False, deadline=time.monotonic() + 60)
+    assert len(records) == len(PROMPTS) * len(methods)
+
+
+def test_prompts_round_robin_across_sets(monkeypatch):
+    import dflash.prompts as prompts
+
+    fake = {n: [Prompt(id=f"{n}/{i}", dataset=n, messages=[{"role": "user", "content": "x"}]) for i in range(k)]
+            for n, k in (("a", 2), ("b", 1), ("c", 2))}
+    monkeypatch.setattr(prompts, "load_dataset", lambda name, limit: fake[name][:limit])
+    got = [p.id for p in bench.load_prompts(["a", "b", "c"], None, 2)]
+    assert got == ["a/0", "b/0", "c/0", "a/1", "c/1"]
