@@ -43,8 +43,12 @@ class Record:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["steps"] = [list(s) for s in self.steps]
-        d.update(num_output_tokens=self.num_output_tokens, acceptance_lengths=self.acceptance_lengths,
-                 tau=tau(self.acceptance_lengths), tokens_per_s=round(self.tokens_per_s, 3))
+        lengths = self.acceptance_lengths
+        block = max([p + 1 for p, _, _ in self.steps] + lengths + [1])
+        d.update(num_output_tokens=self.num_output_tokens, acceptance_lengths=lengths, tau=tau(lengths),
+                 tau_histogram=histogram(lengths, block) if lengths else [],
+                 position_acceptance=per_position_acceptance(self.steps, block) if lengths else [],
+                 tokens_per_s=round(self.tokens_per_s, 3))
         return d
 
 

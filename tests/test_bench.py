@@ -78,6 +78,9 @@ def test_tau_histogram_and_positions_from_known_steps():
     assert rates[3] == pytest.approx(1 / 3)  # step 4 did not propose position 4
     assert rates[6] == pytest.approx(1 / 3)
     r = Record("dflash-b8", list(range(1 + sum(lengths))), 5, 2.0, 0.1, steps, prompt_id="p", dataset="d")
+    d = r.to_dict()
+    assert d["tau"] == pytest.approx(4.0) and d["tau_histogram"] == [1, 0, 1, 1, 0, 0, 0, 1]
+    assert d["position_acceptance"] == pytest.approx(rates)
     s = summarize([r], "d", "dflash-b8", BASELINE, 8)
     assert s.tau == pytest.approx(4.0) and s.tau_histogram == [1, 0, 1, 1, 0, 0, 0, 1]
     assert s.speedup is None  # no baseline record
