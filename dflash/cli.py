@@ -14,6 +14,7 @@ SUBCOMMANDS = (
     ("dflash.train.cli", "add_train"),
     ("dflash.server", "add_serve"),
     ("dflash.bench", "add_bench"),
+    ("dflash.export", "add_export"),
 )
 
 
