@@ -198,7 +198,7 @@ def run_bench_command(args) -> int:
         task = bar.add_task("warm-up", total=len(prompts) * len(methods))
 
         def on_record(prompt, rec):
-            bar.update(task, advance=1, description=escape(f"{prompt.dataset}/{prompt.id} {rec.method}"))
+            bar.update(task, advance=1, description=escape(f"{prompt.id} {rec.method}"))
             if not console.is_terminal:  # a log file gets one line per record instead of the bar
                 console.print(_record_line(rec, bar.tasks[0]), markup=False, highlight=False)
 
@@ -221,7 +221,8 @@ def run_bench_command(args) -> int:
 def _record_line(rec: Record, task) -> str:
     tau = f" tau {sum(rec.acceptance_lengths) / len(rec.acceptance_lengths):.2f}" if rec.steps else ""
     eta = f", ETA {task.time_remaining:.0f} s" if task.time_remaining else ""
-    return (f"[{task.completed}/{task.total}] {rec.dataset}/{rec.prompt_id} {rec.method}: {rec.num_output_tokens} tokens "
+    name = rec.prompt_id if rec.prompt_id.startswith(f"{rec.dataset}/") else f"{rec.dataset}/{rec.prompt_id}"
+    return (f"[{task.completed}/{task.total}] {name} {rec.method}: {rec.num_output_tokens} tokens "
             f"in {rec.total_time:.1f} s ({rec.tokens_per_s:.1f} tok/s){tau}{eta}")
 
 
