@@ -68,7 +68,8 @@ def data_manifest(folder: str | Path, shards: list[int] | None) -> dict:
             "response_tokens": dict(resp_tokens), "config": cfg}
 
 
-def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: str = "best") -> Path:
+def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: str = "best",
+         dtype: str = "float16") -> Path:
     """Copy run/<which> (a draft in the DFLASH.md §4 format) to dest with MANIFEST.json."""
     import torch
 
@@ -90,10 +91,13 @@ def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: st
         "data": data_manifest(cfg["data"], state.get("data_shards")),
         **(extra or {}),
     }
+    from ..draft import DFlashDraftModel
+
     tmp = dest.with_name(f".{dest.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    shutil.copytree(src, tmp)
+    # fp16 on disk halves the repo cost of every re-shipped draft; it loads back as fp32
+    DFlashDraftModel.from_pretrained(src).save_pretrained(tmp, dtype=getattr(torch, dtype))
     (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     if dest.exists():
         shutil.rmtree(dest)
