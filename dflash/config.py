@@ -48,6 +48,9 @@ class DFlashConfig:
     sliding_window: int | None = None
     is_causal: bool | None = None
     input_embedding_scale: float = 1.0
+    # optional draft vocabulary: the token ids the draft may propose (its lm_head uses only
+    # these rows, which makes the draft step cheaper; verification stays exact)
+    draft_vocab: list[int] | None = None
     torch_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict)  # unknown keys, kept for round trips
 
@@ -65,6 +68,9 @@ class DFlashConfig:
             problems.append(f"unknown layer_types {sorted(set(self.layer_types))}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             problems.append("sliding_attention layers need sliding_window")
+        if self.draft_vocab is not None and (not self.draft_vocab or min(self.draft_vocab) < 0
+                                             or max(self.draft_vocab) >= self.vocab_size):
+            problems.append("dflash_config.draft_vocab must hold ids inside the vocabulary")
         if not self.target_layer_ids:
             problems.append("dflash_config.target_layer_ids is empty")
         if self.block_size < 1:
@@ -83,7 +89,7 @@ class DFlashConfig:
     def from_dict(cls, d: dict) -> "DFlashConfig":
         d = dict(d)
         dflash = d.pop("dflash_config", None) or {}
-        known = {f.name for f in fields(cls)} - {"extra", "target_layer_ids", "mask_token_id"}
+        known = {f.name for f in fields(cls)} - {"extra", "target_layer_ids", "mask_token_id", "draft_vocab"}
         kwargs: dict[str, Any] = {}
         for key in list(d):
             if key in known:
@@ -99,6 +105,8 @@ class DFlashConfig:
             if value is None:
                 raise ConfigError(f"draft config.json has no dflash_config.{key}")
             kwargs[key] = value
+        if dflash.get("draft_vocab") is not None:
+            kwargs["draft_vocab"] = [int(i) for i in dflash["draft_vocab"]]
         if "is_causal" in dflash or "causal" in dflash:
             kwargs["is_causal"] = bool(dflash.get("is_causal", dflash.get("causal")))
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size") if k not in kwargs]
@@ -115,11 +123,13 @@ class DFlashConfig:
         d = asdict(self)
         extra = d.pop("extra")
         target_layer_ids, mask_token_id = d.pop("target_layer_ids"), d.pop("mask_token_id")
-        is_causal = d.pop("is_causal")
+        is_causal, draft_vocab = d.pop("is_causal"), d.pop("draft_vocab")
         out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **extra, **d}
         out["dflash_config"] = {"target_layer_ids": list(target_layer_ids), "mask_token_id": int(mask_token_id)}
         if is_causal is not None:
             out["dflash_config"]["is_causal"] = is_causal
+        if draft_vocab is not None:
+            out["dflash_config"]["draft_vocab"] = list(draft_vocab)
         out["tie_word_embeddings"] = False
         out["use_sliding_window"] = "sliding_attention" in self.layer_types
         return out

@@ -52,8 +52,31 @@ class _Block:
     probs: torch.Tensor | None = None  # (1, K, V) the draft's q, for rejection sampling
 
 
+@dataclass
+class _DraftHead:
+    """The lm_head the draft proposes with: all rows, or only its draft vocabulary's."""
+    ids: torch.Tensor | None = None  # (K,) vocabulary ids of the rows, None = the full head
+    rows: torch.Tensor | None = None  # (K, H)
+
+    @classmethod
+    def build(cls, draft: DFlashDraftModel, target: TargetModel) -> "_DraftHead":
+        if draft is None or draft.config.draft_vocab is None:
+            return cls()
+        ids = torch.tensor(draft.config.draft_vocab, dtype=torch.long, device=target.device)
+        return cls(ids, target.head_rows(ids))
+
+    def to_vocab(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.ids is None else self.ids[idx]
+
+    def full_probs(self, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """q: (1, K', Kv) over the draft vocabulary -> (1, K', V) over the whole vocabulary."""
+        if self.ids is None:
+            return q
+        return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, self.ids, q)
+
+
 def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last, pos, size,
-           mask_id, params: SamplingParams, generator) -> _Block:
+           mask_id, params: SamplingParams, generator, head: _DraftHead = _DraftHead()) -> _Block:
     """One parallel draft pass over [last, mask x (size-1)] at positions pos..pos+size-1."""
     block = torch.full((1, size), mask_id, dtype=torch.long, device=last.device)  # (1, S)
     block[:, 0] = last
@@ -61,11 +84,11 @@ def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last
     positions = torch.arange(cache.length, pos + size, device=last.device)[None]  # (1, C+S)
     hidden = draft(positions, noise_embedding=noise, target_hidden=ctx_hidden, past_key_values=cache, use_cache=True)
     cache.crop_to(pos)  # keep the context, drop the block's K/V
-    logits = target.logits(hidden[:, 1:])  # (1, S-1, V)
+    logits = target.logits(hidden[:, 1:], head.rows)  # (1, S-1, V or draft vocabulary)
     if params.greedy or params.rule == "match":
-        return _Block(logits.argmax(-1))
-    q = probabilities(logits, params)  # (1, S-1, V)
-    return _Block(sample(q, generator), q)
+        return _Block(head.to_vocab(logits.argmax(-1)))
+    q = probabilities(logits, params)  # (1, S-1, V or draft vocabulary)
+    return _Block(head.to_vocab(sample(q, generator)), head.full_probs(q, target.info.vocab_size))
 
 
 def _verify(block: _Block, logits, params: SamplingParams, generator):
@@ -93,6 +116,7 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     layer_ids = draft.config.target_layer_ids if block_size > 1 else None
     target_cache = target.new_cache()
     draft_cache = draft.new_cache(draft_window) if block_size > 1 else None
+    head = _DraftHead.build(draft, target) if block_size > 1 else None
 
     logits, ctx_hidden = target.forward(input_ids, target_cache, layer_ids, logits_to_keep=1)  # (1, 1, V), (1, T, kH)
     last = next_token(logits[:, -1], params, generator)  # (1,)
@@ -103,7 +127,7 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     while finish is None:
         size = min(block_size, max_new_tokens - generated)  # the block can yield up to `size` tokens
         if size > 1:
-            block = _draft(draft, target, draft_cache, ctx_hidden, last, pos, size, mask_id, params, generator)
+            block = _draft(draft, target, draft_cache, ctx_hidden, last, pos, size, mask_id, params, generator, head)
         else:
             block = _Block(torch.empty(1, 0, dtype=torch.long, device=last.device))
         verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, size)

@@ -63,11 +63,18 @@ class TargetModel:
         out = F.embedding(ids, self.embed_weight)  # (B, T, H)
         return out * scale if scale != 1.0 else out
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.head(hidden)  # (B, T, V)
+    def logits(self, hidden: torch.Tensor, head_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: (B, T, H) -> (B, T, V), or (B, T, K) over `head_rows` (K, H) of the lm_head."""
+        logits = self.head(hidden) if head_rows is None else F.linear(hidden, head_rows)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The lm_head rows of `ids` (K,) as one contiguous (K, H) matrix."""
+        if getattr(self.head, "bias", None) is not None:
+            raise ValueError("a draft vocabulary needs an lm_head without bias")
+        return self.head.weight.index_select(0, ids.to(self.head.weight.device)).contiguous()
 
     def new_cache(self) -> TargetCache:
         return TargetCache(self.model.config)

@@ -165,3 +165,16 @@ def test_default_layer_ids():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(30, 1) == [15]
     assert default_target_layer_ids(4, 2) == [1, 1]
+
+
+def test_draft_vocabulary_round_trips(tmp_path, llama):
+    draft = tiny_draft(llama)
+    draft.config.draft_vocab = [0, 5, 7, 95]
+    draft.save_pretrained(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["dflash_config"]["draft_vocab"] == [0, 5, 7, 95]
+    assert DFlashDraftModel.from_pretrained(tmp_path / "d").config.draft_vocab == [0, 5, 7, 95]
+    cfg["dflash_config"]["draft_vocab"] = [0, 500]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="draft_vocab"):
+        DFlashDraftModel.from_pretrained(tmp_path / "d")

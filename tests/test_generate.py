@@ -63,7 +63,7 @@ def test_stop_token_in_prompt_is_ignored(llama, llama_draft):
 def _force_proposals(monkeypatch, continuation, plant_at=None):
     """Replace the draft pass by an oracle that proposes the target's own continuation
     (optionally with a wrong token planted at block position `plant_at`)."""
-    def oracle(draft, target, cache, ctx_hidden, last, pos, size, mask_id, params, generator):
+    def oracle(draft, target, cache, ctx_hidden, last, pos, size, mask_id, params, generator, head=None):
         done = pos - oracle.prompt_len + 1  # tokens generated so far (including `last`)
         tokens = continuation[done: done + size - 1].clone()
         if plant_at is not None and plant_at - 1 < len(tokens):
@@ -119,3 +119,24 @@ def test_stream_yields_new_tokens_only(llama, llama_draft):
 def test_spec_generate_method(llama, llama_draft):
     ids = torch.tensor([[9, 8, 7]])
     assert torch.equal(llama_draft.spec_generate(llama, ids, 10, None, 0.0), hf_greedy(llama, ids, 10))
+
+
+def test_draft_vocabulary_keeps_output_exact(monkeypatch, llama):
+    """A draft restricted to a vocabulary subset proposes only those ids; output is unchanged."""
+    vocab = list(range(0, 96, 3))
+    draft = tiny_draft(llama, block_size=8)
+    draft.config.draft_vocab = vocab
+    proposed = []
+    real = gen._draft
+
+    def spy(*args, **kw):
+        block = real(*args, **kw)
+        proposed.extend(block.tokens[0].tolist())
+        return block
+    monkeypatch.setattr(gen, "_draft", spy)
+    ids = torch.tensor([[2, 7, 1, 8]])
+    for temperature in (0.0, 1.0):
+        out = dflash_generate(draft, llama, ids, 30, None, temperature, generator=torch.Generator().manual_seed(0))
+        if temperature == 0.0:
+            assert torch.equal(out, hf_greedy(llama, ids, 30))
+    assert proposed and set(proposed) <= set(vocab)

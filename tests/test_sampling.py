@@ -1,5 +1,6 @@
 """Sampled speculative output has the target's distribution, for both verification rules."""
 
+import copy
 import itertools
 
 import pytest
@@ -62,11 +63,15 @@ def chi2_pvalue(counts, law):
     SamplingParams(1.0, rule="rejection"),
     SamplingParams(1.0, rule="match"),
     SamplingParams(0.8, top_p=0.9, top_k=3, rule="rejection"),
-], ids=["rejection", "match", "rejection-topk-topp"])
+    "draft-vocab",
+], ids=["rejection", "match", "rejection-topk-topp", "rejection-draft-vocab"])
 def test_sampled_tokens_follow_target_distribution(peaked, params):
     """2000 seeded draws of three tokens (the 2nd and 3rd come from one verified block);
     chi-square goodness of fit against the exact law, rejecting at p < 0.001."""
     target, draft = peaked
+    if params == "draft-vocab":  # the draft may only propose ids 1 and 3
+        params, draft = SamplingParams(1.0), copy.deepcopy(draft)
+        draft.config.draft_vocab = [1, 3]
     prompt = torch.tensor([[1, 3, 2]])
     law = exact_law(target, prompt, params)
     assert law.max() < 0.9  # the law is spread, so a biased sampler would show
