@@ -262,7 +262,7 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
                 ev = evaluator.run(tau=cfg.eval_tau_prompts > 0 and (s % cfg.tau_every == 0 or s == trainer.total_steps))
                 row.update(ev)
                 say(f"eval step {s}: " + " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, float)))
-                score = ev.get("tau_mean", ev.get("heldout_block_tau", 0.0))
+                score = ev.get("heldout_block_tau", 0.0)  # computed at every eval: one scale for "best"
                 if score > best:
                     best = score
                     trainer.draft.save_pretrained(out / "best")
