@@ -201,3 +201,14 @@ def test_prompts_round_robin_across_sets(monkeypatch):
     monkeypatch.setattr(prompts, "load_dataset", lambda name, limit: fake[name][:limit])
     got = [p.id for p in bench.load_prompts(["a", "b", "c"], None, 2)]
     assert got == ["a/0", "b/0", "c/0", "a/1", "c/1"]
+
+
+def test_sampled_run_records_every_method(pipe, tmp_path, monkeypatch):
+    monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, *a, **k: pipe))
+    path = _prompt_file(tmp_path, ['{"prompt": "def add(a, b):"}'])
+    out = tmp_path / "r.json"
+    assert main(["bench", "--prompts", str(path), "--max-new-tokens", "8", "--temperature", "0.8",
+                 "--block-size", "4", "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {r["method"] for r in data["records"]} == {BASELINE, "dflash-b4", "loop-b1", "prompt-lookup-10"}
+    assert all(r["num_output_tokens"] > 0 for r in data["records"])
