@@ -33,8 +33,13 @@ class Settings:
     seed: int = 0
     prompt_lookup: int = 10  # prompt_lookup_num_tokens; 0 leaves the peer out
     loop_baseline: bool = True  # our loop at block size 1
-    draft_vocabs: tuple[int, ...] = ()  # what-if: the draft's lm_head over ids < K only (largest block)
+    draft_vocabs: tuple[int, ...] = ()  # what-if: a draft vocabulary of K frequent ids (largest block)
+    vocab_source: Callable | None = None  # (pipeline, K) -> ids; None: frequent_vocabulary
     notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
+
+    def __post_init__(self):
+        if self.vocab_source is None:
+            self.vocab_source = frequent_vocabulary
 
 
 PROVIDERS: list[Callable[[Settings], list[tuple[str, Method]]]] = []
@@ -103,7 +108,7 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
 
     def run(pipe, input_ids, max_new_tokens) -> Record:
         if draft_vocab:
-            with draft_vocabulary(pipe.target, draft_vocab):
+            with draft_vocabulary(pipe.draft, settings.vocab_source(pipe, draft_vocab)):
                 return _run(pipe, input_ids, max_new_tokens)
         return _run(pipe, input_ids, max_new_tokens)
 
@@ -129,26 +134,31 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
 
 
 @contextmanager
-def draft_vocabulary(target, k: int):
-    """While active, the draft's lm_head (`target.logits`, which only the draft step calls;
-    verification uses the HF model's own head) scores ids < k only, the others get -inf.
-    SmolLM2's BPE ids are roughly frequency-ranked, so the low ids are the common tokens.
-    Output stays exact: only the proposals change."""
-    weight = target.model.get_output_embeddings().weight[:k]  # (k, H)
-    vocab = target.info.vocab_size
-
-    def logits(hidden):
-        out = hidden.new_full((*hidden.shape[:-1], vocab), float("-inf"))  # (B, T, V)
-        out[..., :k] = hidden @ weight.T
-        return out
-
-    if target.softcap:
-        raise ValueError("--draft-vocab does not support targets with logit softcapping")
-    target.logits = logits
+def draft_vocabulary(draft, ids: list[int] | None):
+    """While active, the draft proposes from `ids` only (the engine's `draft_vocab`: its
+    lm_head scores those rows); None: the full vocabulary. Output stays exact."""
+    saved = draft.config.draft_vocab
+    draft.config.draft_vocab = ids
     try:
         yield
     finally:
-        del target.logits
+        draft.config.draft_vocab = saved
+
+
+_VOCABS: dict[tuple[int, int], list[int]] = {}
+
+
+def frequent_vocabulary(pipe, size: int) -> list[int]:
+    """The `size` most frequent ids of the ShareGPT train prompts (plus the stop tokens),
+    as `python -m dflash.draft_vocab` writes them into a checkpoint; cached per size."""
+    key = (id(pipe.tokenizer), size)
+    if key not in _VOCABS:
+        from .draft_vocab import frequent_ids
+        from .prompts import sharegpt
+
+        texts = [p.content for p in sharegpt(split="train")]
+        _VOCABS[key] = frequent_ids(pipe.tokenizer, texts, size, always=pipe.stop_token_ids)
+    return _VOCABS[key]
 
 
 def _loop_name(block_size: int) -> str:

@@ -173,12 +173,13 @@ def test_block_choice_from_acceptance_and_cost_curve():
 
 
 def test_draft_vocabulary_what_if_stays_exact(pipe):
-    methods = build_methods(Settings(block_sizes=(8,), prompt_lookup=0, draft_vocabs=(48,)))
+    settings = Settings(block_sizes=(8,), prompt_lookup=0, draft_vocabs=(48,),
+                        vocab_source=lambda p, k: list(range(k)))
+    methods = build_methods(settings)
     assert [n for n, _ in methods] == [BASELINE, "loop-b1", "dflash-b8", "dflash-b8-v48"]
-    with bench_methods.draft_vocabulary(pipe.target, 48):
-        logits = pipe.target.logits(torch.randn(1, 3, 64))
-        assert logits.shape == (1, 3, 96) and torch.isinf(logits[..., 48:]).all()
-    assert "logits" not in vars(pipe.target)
+    with bench_methods.draft_vocabulary(pipe.draft, list(range(48))):
+        assert pipe.draft.config.draft_vocab == list(range(48))
+    assert pipe.draft.config.draft_vocab is None
     records = bench.run_bench(pipe, PROMPTS[:2], methods, 12, warmup=False)
     assert bench.check_equal(records) == []
     assert {r.method for r in records} == {n for n, _ in methods}
