@@ -176,7 +176,8 @@ MAX_NEW_TOKENS = 64
 # same algorithm, same weights, fp32 on both sides: the two figures differ only by float
 # noise at near-ties and by the last block (ours shrinks it to the tokens left, vLLM drafts
 # all 15 and counts acceptances max_tokens then cuts)
-TAU_TOLERANCE = 0.10  # relative
+# (on two prompts with a briefly trained draft the two engines' per-step commits were identical)
+TAU_TOLERANCE = 0.05  # relative
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +222,9 @@ def test_vllm_serves_our_draft_losslessly_with_our_acceptance(vllm_py, monkeypat
     drafts = sum(r.extra["vllm_spec"]["drafts"] for r in by["vllm-dflash-b16"])
     print(f"\nmean acceptance length ({'shipped' if pipe.draft_trained else 'random'} draft): ours {ours:.3f}, "
           f"vLLM {theirs:.3f} over {drafts} vLLM drafts")
+    same = sum(a.acceptance_lengths[:-1] == b.acceptance_lengths[:-1]
+               for a, b in zip(by["dflash-b16"], by["vllm-dflash-b16"]))
+    print(f"per-step commits identical (last step aside) on {same}/{len(PROMPTS)} prompts")
     assert drafts > 0
     assert abs(theirs - ours) <= TAU_TOLERANCE * ours, (ours, theirs)
     # vLLM's per-step commits add up to its counters
