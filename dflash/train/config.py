@@ -36,6 +36,7 @@ class FitConfig:
     # measured 0% full-vocabulary accuracy: unseen rows win (kept for the record, do not use).
     loss_vocab: str = "sampled"
     loss_negatives: int = 8192
+    data_shards: int | None = None  # train on the first N finished shards only (None: all)
     init_from: str | None = None  # a draft checkpoint folder to start from (a warm start on more data)
     seed: int = 0
     threads: int = 1

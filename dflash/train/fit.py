@@ -232,6 +232,8 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     shards = None
     if ckpt is not None:
         shards = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False).get("data_shards")
+    if shards is None and cfg.data_shards:
+        shards = finished_shards(Path(cfg.data))[: cfg.data_shards]
     hf, tok = load_target(cfg.target)
     seqs = load_sequences(cfg.data, shards=shards)
     trainer = Trainer(cfg, hf, seqs, _mask_token(tok, TargetModel(hf)), data_layer_ids(cfg.data), tok, say)
