@@ -285,3 +285,59 @@ def test_a_shard_counts_only_once_its_jsonl_is_in_place(tmp_path):
     assert finished_shards(tmp_path) == [0]
     (seq,) = load_sequences(tmp_path)
     assert seq.tokens.tolist() == [1, 2, 3, 4, 5] and seq.prompt_len == 2 and seq.features.shape == (4, 6)
+
+
+KILL_SCRIPT = textwrap.dedent('''
+    import sys, time, torch
+    sys.path.insert(0, sys.argv[1])
+    torch.set_num_threads(1)
+    from pathlib import Path
+    from test_train import fit_cfg, make_seqs, LAYERS, MASK
+    from conftest import tiny_target
+    from dflash.train.fit import Trainer
+    target = tiny_target("llama")
+    t = Trainer(fit_cfg(max_steps=100), target, make_seqs(target), MASK, LAYERS)
+    while True:  # checkpoint after every step until killed
+        t.train_step()
+        t.save(Path(sys.argv[2]))
+''')
+
+
+@pytest.mark.slow
+def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path):
+    import signal
+    import time
+
+    from dflash.train.fit import latest_checkpoint
+
+    script = tmp_path / "killme.py"
+    script.write_text(KILL_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, str(script), str(Path(__file__).parent), str(tmp_path / "run")], env=env)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            ck = latest_checkpoint(tmp_path / "run")
+            if ck is not None and int(ck.name.split("-")[1]) >= 3:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)  # possibly in the middle of writing a checkpoint
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ck = latest_checkpoint(tmp_path / "run")
+    assert ck is not None
+    target = tiny_target("llama")
+    seqs = make_seqs(target)
+    resumed = Trainer(fit_cfg(max_steps=100), target, seqs, MASK, LAYERS)
+    resumed.load(ck)
+    start = resumed.step
+    total = start + 3
+    for _ in range(3):
+        resumed.train_step()
+    full = Trainer(fit_cfg(max_steps=100), target, seqs, MASK, LAYERS)
+    for _ in range(total):
+        full.train_step()
+    assert start >= 3 and resumed.step == full.step == total
+    assert torch.equal(_params(resumed.draft), _params(full.draft))
