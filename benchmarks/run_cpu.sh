@@ -8,6 +8,6 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/cpu}
 $PY -m dflash.bench profile --threads 1 --clock cpu --out "$OUT/profile"
 $PY -m dflash.bench bench --datasets humaneval math mtbench sharegpt --limit "${LIMIT:-4}" --max-new-tokens 128 \
-    --block-size 16 --draft-vocab 8192 --threads 1 --time-budget "${BUDGET:-2100}" \
+    --block-size 16 --draft-vocab 8192 --threads 1 --time-budget "${BUDGET:-2200}" \
     --output "$OUT/results.json" --markdown "$OUT/results.md" --plots "$OUT" \
     --profile-json "$OUT/profile/profile.json"
