@@ -21,7 +21,6 @@ from .generate import stream_generate
 from .sampling import SamplingParams
 
 BASELINE = "target"  # the target alone through HF generate: every speedup is against it
-VLLM_MISSING = "vLLM not installed (pip install '.[vllm]'): vLLM plain and speculative methods skipped"
 
 Method = Callable[..., Record]
 
@@ -235,11 +234,11 @@ def _loop_methods(settings: Settings):
 
 @register_provider
 def _vllm_methods(settings: Settings):
-    """vLLM's plain decoding and speculative methods plug in here once written."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        settings.notes.append(VLLM_MISSING)
+    """vLLM's plain decoding and vLLM + our draft, run in vLLM's own venv (dflash.vllm_backend);
+    opt-in with DFLASH_BENCH_VLLM=1 since each engine takes minutes to start."""
+    from .vllm_backend import bench_methods, wanted
+
+    if not wanted(settings):
+        settings.notes.append("vLLM methods are off (set DFLASH_BENCH_VLLM=1; needs scripts/vllm_env.sh)")
         return []
-    settings.notes.append("vLLM is installed, but its benchmark methods are not written yet: skipped")
-    return []
+    return bench_methods(settings)
