@@ -5,7 +5,7 @@ new tokens of each step; `dflash_generate` collects them."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch

@@ -74,7 +74,6 @@ def test_mismatched_draft_is_named(folders, tmp_path, capsys):
     from dflash.config import DFlashConfig
     from dflash.draft import DFlashDraftModel
     cfg = DFlashConfig.for_target(pipe.target.model.config, num_hidden_layers=1)
-    cfg.hidden_size = 32  # built for another target
     torch.manual_seed(0)
     DFlashDraftModel(DFlashConfig(**{**cfg.__dict__, "hidden_size": 32, "head_dim": 8})).save_pretrained(tmp_path / "d")
     rc = main(["generate", "hi", "--target", str(root / "target"), "--draft", str(tmp_path / "d")])
