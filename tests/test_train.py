@@ -251,6 +251,32 @@ def test_overfit_one_sequence_reaches_block_size_tau():
     assert r.tau >= 6.5, r.acceptance_lengths  # block 8: tau near the block size
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_batched_generator_equals_greedy_generate_row_by_row(kind):
+    """Left padding, rows leaving the batch at their stop token: every row's response equals
+    HF greedy `generate` on that prompt alone, and its features equal a plain forward."""
+    from dflash.train.generator import generate_batch
+
+    target = tiny_target(kind, seed=3)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (3, 9, 6, 14)]
+    singles = []
+    for p in prompts:
+        out = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(p):].tolist()
+        singles.append(out)
+    stop = sorted({singles[0][4], singles[2][11]})  # two rows stop early, at different steps
+    got = generate_batch(target, prompts, LAYERS, 20, stop_ids=stop, pad_id=0)
+    for p, ref, r in zip(prompts, singles, got):
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
+        assert r.response_ids == ref[:cut]
+        assert r.finished == (cut < len(ref) or ref[-1] in stop)
+        toks = torch.tensor(p + r.response_ids)
+        assert r.features.shape == (len(toks) - 1, 2 * 64)
+        assert torch.allclose(r.features.float(), features(target, toks), atol=2e-2)
+    assert any(r.finished for r in got) and not all(r.finished for r in got)
+
+
 def test_prefill_labels_replace_tokens_as_targets():
     toks = torch.arange(20)
     labels = toks + 100  # the target's own predictions differ from the text
@@ -273,6 +299,56 @@ def test_vocab_subset_loss_equals_full_loss_over_all_rows():
     small, _ = chunked_loss_backward(hidden, tm, labels, w, 1.0, 4, backward=False,
                                      subset=VocabSubset(labels.flatten(), 96))
     assert small < full  # a softmax over fewer rows
+
+
+def test_draft_vocab_loss_is_the_softmax_of_the_proposing_head():
+    """loss_vocab 'draft': the draft vocabulary is the K most frequent label tokens, the loss is
+    the exact softmax over those rows, labels outside it carry no loss, and the held-out
+    proposals come from those rows only."""
+    from dflash.train.blocks import VocabSubset
+    from dflash.train.evaluate import Evaluator
+    from dflash.train.fit import frequent_labels
+
+    assert frequent_labels([torch.tensor([5, 5, 5, 2, 2, 9])], 2) == [2, 5]
+    assert frequent_labels([torch.tensor([5, 5, 2])], 2, always=[7]) == [5, 7]
+    tm = TargetModel(tiny_target("llama"))
+    hidden = torch.randn(1, 8, 64)
+    labels = torch.tensor([[IGNORE, 3, 4, 50, 3, 60, 4, 3]])
+    w = torch.ones(1, 8)
+    sub = VocabSubset(torch.tensor([3, 4, 10]), 96, drop_missing=True)
+    val, ok = chunked_loss_backward(hidden, tm, labels, w, 1.0, 4, backward=False, subset=sub)
+    keep = torch.tensor([1, 2, 4, 6, 7])  # 50 and 60 are outside the draft vocabulary
+    logits = tm.logits(hidden[0, keep])[:, [3, 4, 10]].detach()
+    ref = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 0, 1, 0]), reduction="sum")
+    assert math.isclose(val, float(ref), rel_tol=1e-5) and ok.numel() == 5
+    with pytest.raises(ValueError, match="outside the loss vocabulary"):
+        chunked_loss_backward(hidden, tm, labels, w, 1.0, 4, backward=False, subset=VocabSubset(torch.tensor([3, 4]), 96))
+
+    target = tiny_target("llama")
+    seqs = make_seqs(target, n=4)
+    t = Trainer(fit_cfg(loss_vocab="draft", draft_vocab=12, heldout_frac=0.0), target, seqs, MASK, LAYERS)
+    vocab = t.draft.config.draft_vocab
+    assert len(vocab) == 12
+    rec = t.train_step()
+    assert math.isfinite(rec["loss"]) and rec["loss"] > 0
+    props = Evaluator(t, None)._propose(torch.randn(50, 64))
+    assert set(props.tolist()) <= set(vocab)
+    with pytest.raises(ValueError, match="needs draft_vocab"):
+        Trainer(fit_cfg(loss_vocab="draft"), target, seqs, MASK, LAYERS)
+
+
+def test_a_data_folder_from_before_a_new_setting_continues(tmp_path):
+    """A data_config.json written before a setting existed reads it as its default."""
+    import json
+    from dataclasses import asdict
+
+    from dflash.train.data import DataConfig, run_data
+
+    old = asdict(DataConfig(out=str(tmp_path)))
+    del old["source"]
+    (tmp_path / "data_config.json").write_text(json.dumps(old))
+    with pytest.raises(DataError, match="max_new_tokens=192, now 7"):
+        run_data(DataConfig(out=str(tmp_path), max_new_tokens=7))
 
 
 def test_a_shard_counts_only_once_its_jsonl_is_in_place(tmp_path):

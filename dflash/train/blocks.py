@@ -107,14 +107,23 @@ def draft_hidden(draft, target, batch: BlockBatch) -> torch.Tensor:
 
 
 class VocabSubset:
-    """The loss restricted to the vocabulary rows in `ids` (e.g. every label token of the
-    data): a softmax over those rows only. It cuts the lm_head cost by V/|ids| on a CPU; the
-    draft still proposes with the full lm_head at inference."""
+    """The loss restricted to the vocabulary rows in `ids`: a softmax over those rows only. It
+    cuts the lm_head cost by V/|ids| on a CPU. Two uses: every label token of the data (the
+    draft still proposes with the full lm_head), or the draft vocabulary itself
+    (`drop_missing`: labels outside it cannot be proposed, so they carry no loss)."""
 
-    def __init__(self, ids: torch.Tensor, vocab_size: int):
+    def __init__(self, ids: torch.Tensor, vocab_size: int, drop_missing: bool = False):
         self.ids = ids.unique().sort().values  # (S,)
         self.lut = torch.full((vocab_size,), -1, dtype=torch.long)
         self.lut[self.ids] = torch.arange(len(self.ids))
+        self.drop_missing = drop_missing
+
+    def keep(self, labels: torch.Tensor) -> torch.Tensor:
+        """(N, Q) bool: labelled positions the subset can score."""
+        sel = labels != IGNORE
+        if self.drop_missing:
+            sel &= self.lut.to(labels.device)[labels.clamp(min=0)] >= 0
+        return sel
 
     def logits(self, target, h: torch.Tensor) -> torch.Tensor:
         w = target.head.weight[self.ids.to(h.device)]  # (S, H)
@@ -133,7 +142,7 @@ def chunked_loss_backward(hidden: torch.Tensor, target, labels: torch.Tensor, we
     """sum_k w_k * CE(lm_head(hidden_k), label_k) * scale over the labelled positions, with
     the lm_head run in chunks so only one chunk's logits live at a time. With backward=True
     the gradient flows into `hidden`'s graph. Returns (loss value, correct (M,) bool)."""
-    sel = labels != IGNORE  # (N, Q)
+    sel = labels != IGNORE if subset is None else subset.keep(labels)  # (N, Q)
     h_all = hidden[sel]  # (M, H)
     y, w = labels[sel], weights[sel]  # (M,)
     if subset is not None:

@@ -34,7 +34,10 @@ class FitConfig:
     # `loss_negatives` random rows re-drawn every step (cheaper on a CPU; the random rows keep
     # unseen tokens from winning the full-vocabulary argmax). "data": label tokens only, which
     # measured 0% full-vocabulary accuracy: unseen rows win (kept for the record, do not use).
+    # "draft": the exact softmax over the draft vocabulary (needs `draft_vocab`): the very head
+    # the draft proposes with at inference; labels outside it carry no loss.
     loss_vocab: str = "sampled"
+    draft_vocab: int | None = None  # K: the draft proposes from the K most frequent label tokens of the data
     loss_negatives: int = 8192
     data_shards: int | None = None  # train on the first N finished shards only (None: all)
     init_from: str | None = None  # a draft checkpoint folder to start from (a warm start on more data)

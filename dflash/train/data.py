@@ -166,10 +166,10 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "data_config.json"
     if cfg_path.exists():
-        old = json.loads(cfg_path.read_text())
+        old = {**asdict(DataConfig()), **json.loads(cfg_path.read_text())}  # keys added later: their defaults
         for key in ("layer_ids", "max_new_tokens", "temperature", "target", "shard_size", "source"):
-            if old.get(key) != asdict(cfg)[key]:
-                raise DataError(f"{out} was started with {key}={old.get(key)!r}, now {asdict(cfg)[key]!r}: "
+            if old[key] != asdict(cfg)[key]:
+                raise DataError(f"{out} was started with {key}={old[key]!r}, now {asdict(cfg)[key]!r}: "
                                 "use another --out or the same settings")
     _atomic_write_text(cfg_path, json.dumps(asdict(cfg), indent=2) + "\n")
     from ..assets import load_target

@@ -42,7 +42,7 @@ class Evaluator:
             pred = torch.full_like(b.labels, -1)  # (N, Q)
             sel = b.labels != IGNORE
             h = hidden[sel]  # (M, H)
-            pieces = [t.target.logits(h[i:i + t.cfg.logits_chunk]).argmax(-1) for i in range(0, h.shape[0], t.cfg.logits_chunk)]
+            pieces = [self._propose(h[i:i + t.cfg.logits_chunk]) for i in range(0, h.shape[0], t.cfg.logits_chunk)]
             if pieces:
                 pred[sel] = torch.cat(pieces)
             acc, cnt, tau = block_scores(pred == b.labels, b.labels, t.cfg.block_size)
@@ -53,6 +53,14 @@ class Evaluator:
         t.draft.train()
         acc = (accs / tot.clamp(min=1)).tolist()
         return {"heldout_acc": acc, "heldout_acc1": float(acc[0]), "heldout_block_tau": sum(taus) / max(n, 1)}
+
+    def _propose(self, h: torch.Tensor) -> torch.Tensor:
+        """(m, H) -> (m,) the draft's greedy proposal, from its draft vocabulary when it has one."""
+        vocab = self.t.draft.config.draft_vocab
+        if vocab is None:
+            return self.t.target.logits(h).argmax(-1)
+        ids = torch.tensor(vocab, device=h.device)  # (K,)
+        return ids[self.t.target.logits(h, self.t.target.head_rows(ids)).argmax(-1)]
 
     def _eval_prompts(self):
         if self.prompts is None:

@@ -54,6 +54,11 @@ class Trainer:
         dcfg = DFlashConfig.for_target(hf_model.config, num_hidden_layers=cfg.num_layers, mask_token_id=mask_token_id,
                                        block_size=cfg.block_size, target_layer_ids=list(layer_ids),
                                        intermediate_size=cfg.intermediate_size)
+        if cfg.draft_vocab:
+            dcfg.draft_vocab = frequent_labels([s.labels[s.prompt_len + 1:] for s in self.train_seqs], cfg.draft_vocab,
+                                               always=_stop_ids(tokenizer))
+        elif cfg.loss_vocab == "draft":
+            raise ValueError("loss_vocab 'draft' needs draft_vocab (the number of ids the draft proposes from)")
         torch.manual_seed(cfg.seed)
         self.draft = DFlashDraftModel(dcfg)
         if cfg.init == "target":
@@ -67,8 +72,10 @@ class Trainer:
         if cfg.loss_vocab in ("data", "sampled"):
             self.label_vocab = torch.cat([s.labels[s.prompt_len + 1:] for s in self.train_seqs]).unique()
             self.subset = VocabSubset(self.label_vocab, self.target.info.vocab_size)
+        elif cfg.loss_vocab == "draft":
+            self.subset = VocabSubset(torch.tensor(dcfg.draft_vocab), self.target.info.vocab_size, drop_missing=True)
         elif cfg.loss_vocab != "full":
-            raise ValueError(f"loss_vocab must be 'full', 'sampled' or 'data', got {cfg.loss_vocab!r}")
+            raise ValueError(f"loss_vocab must be 'full', 'sampled', 'draft' or 'data', got {cfg.loss_vocab!r}")
         self.draft.to(self.device).train()
         self.model = self.draft
         if self.world > 1:
@@ -181,6 +188,25 @@ class Trainer:
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.stats = state["step"], dict(state["stats"])
         return state
+
+
+def frequent_labels(label_streams: list[torch.Tensor], size: int, always=()) -> list[int]:
+    """The `size` most frequent label ids (ties: the smaller id), plus `always`; sorted."""
+    counts = torch.bincount(torch.cat(label_streams)) if label_streams else torch.zeros(0, dtype=torch.long)
+    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
+    chosen = {int(i) for i in always}
+    for i in order:
+        if len(chosen) >= size or counts[i] == 0:
+            break
+        chosen.add(i)
+    return sorted(chosen)
+
+
+def _stop_ids(tokenizer) -> list[int]:
+    if tokenizer is None:
+        return []
+    ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return sorted({i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id})
 
 
 class _null:

@@ -31,7 +31,8 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
                    generator: torch.Generator | None = None) -> list[Generated]:
     """Generate for a batch of tokenized prompts. The features of a sequence are the hidden
     states of the tokens the target consumed: all prompt tokens and all response tokens but
-    the last (which was only produced)."""
+    the last (which was only produced). A row leaves the batch (and its cache) as soon as it
+    emits a stop token, so finished rows cost nothing."""
     from transformers import DynamicCache
 
     b = len(prompts)
@@ -44,41 +45,46 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
         mask[i, width - len(p):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
     cache = DynamicCache(config=model.config)
-    stop = torch.tensor(stop_ids)
-    feats: list[torch.Tensor] = []  # per step (B, T_step, k*H)
-    out_tokens: list[torch.Tensor] = []  # per step (B,)
-    done = torch.zeros(b, dtype=torch.bool)
-    step_ids, step_pos = ids, pos
-    for _ in range(max_new_tokens):
+    stop = torch.tensor(stop_ids, dtype=torch.long)
+    feats: torch.Tensor | None = None  # (B, width + N - 1, k*H) fp16, filled row by row
+    tokens = torch.full((b, max(max_new_tokens, 1)), pad_id, dtype=torch.long)  # (B, N)
+    alive = torch.arange(b)  # (A,) original rows still generating
+    step_ids, step_pos, t = ids, pos, 0
+    for s in range(max_new_tokens):
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True,
                     output_hidden_states=True, logits_to_keep=1, **_cache_kwargs(model, cache))
-        feats.append(torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).half())  # (B, T, k*H)
-        logits = out.logits[:, -1].float()  # (B, V)
+        f = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).half()  # (A, T_step, k*H)
+        if feats is None:
+            feats = f.new_zeros(b, width + max_new_tokens - 1, f.shape[-1])
+        feats[alive, t:t + f.shape[1]] = f
+        t += f.shape[1]
+        logits = out.logits[:, -1].float()  # (A, V)
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]  # (B,)
+            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]  # (A,)
         else:
-            nxt = logits.argmax(-1)  # (B,)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        out_tokens.append(nxt)
-        done |= torch.isin(nxt, stop)
-        if bool(done.all()):
+            nxt = logits.argmax(-1)  # (A,)
+        tokens[alive, s] = nxt
+        keep = ~torch.isin(nxt, stop)  # (A,)
+        if not bool(keep.any()):
             break
-        step_ids = nxt[:, None]  # (B, 1)
-        step_pos = step_pos[:, -1:] + 1  # (B, 1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (B, T+1); finished rows are cut later
-    tokens = torch.stack(out_tokens, dim=1)  # (B, N)
-    all_feats = torch.cat(feats, dim=1)  # (B, width + N - 1, k*H)
+        if not bool(keep.all()):  # drop finished rows from the batch and the cache
+            sel = keep.nonzero()[:, 0]
+            cache.batch_select_indices(sel)
+            alive, nxt, mask, step_pos = alive[sel], nxt[sel], mask[sel], step_pos[sel]
+        step_ids = nxt[:, None]  # (A, 1)
+        step_pos = step_pos[:, -1:] + 1  # (A, 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (A, T+1)
     results = []
     for i in range(b):
         resp = []
         finished = False
-        for t in tokens[i].tolist():
-            resp.append(t)
-            if t in stop_ids:
+        for tok in tokens[i, :max_new_tokens].tolist():
+            resp.append(tok)
+            if tok in stop_ids:
                 finished = True
                 break
         n_in = lengths[i] + len(resp) - 1  # tokens the target consumed for this row
-        f = all_feats[i, width - lengths[i]: width - lengths[i] + n_in].clone()  # (n_in, k*H)
+        f = feats[i, width - lengths[i]: width - lengths[i] + n_in].clone() if feats is not None else torch.zeros(0, 0)
         results.append(Generated(prompts[i], resp, f, finished))
     return results
