@@ -52,6 +52,8 @@ def add_bench(sub) -> None:
     p.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens for the peer (0: leave out)")
     p.add_argument("--draft-vocab", type=int, nargs="*", default=[], metavar="K",
                    help="what-if: also DFlash at the largest block with the draft's lm_head over ids < K only")
+    p.add_argument("--draft-threshold", type=float, nargs="*", default=[], metavar="P",
+                   help="also DFlash at the largest block verifying only the proposals the draft gives probability >= P")
     p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
@@ -187,7 +189,7 @@ def run_bench_command(args) -> int:
     pipe = Pipeline.load(args.target, args.draft)
     blocks = tuple(args.block_size or [pipe.draft.config.block_size])
     settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline,
-                        tuple(args.draft_vocab))
+                        tuple(args.draft_vocab), draft_thresholds=tuple(args.draft_threshold))
     methods = build_methods(settings)
     for note in settings.notes:
         console.print(note, style="yellow", markup=False)

@@ -34,6 +34,7 @@ class Settings:
     loop_baseline: bool = True  # our loop at block size 1
     draft_vocabs: tuple[int, ...] = ()  # what-if: a draft vocabulary of K frequent ids (largest block)
     vocab_source: Callable | None = None  # (pipeline, K) -> ids; None: frequent_vocabulary
+    draft_thresholds: tuple[float, ...] = ()  # also the largest block verifying only proposals with draft prob >= P
     notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
 
     def __post_init__(self):
@@ -102,7 +103,7 @@ def _rss() -> int:
 
 
 # ---- our loop ------------------------------------------------------------------------
-def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None) -> Method:
+def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None, threshold: float = 0.0) -> Method:
     """dflash's loop at `block_size` (1: plain target decoding through the same loop)."""
 
     def run(pipe, input_ids, max_new_tokens) -> Record:
@@ -119,7 +120,7 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
             start = time.perf_counter()
             for i, step in enumerate(stream_generate(pipe.draft if block_size > 1 else None, pipe.target, input_ids,
                                                      max_new_tokens, pipe.stop_token_ids, params, block_size,
-                                                     None, gen)):
+                                                     None, gen, draft_threshold=threshold)):
                 if i == 0:
                     ttft = time.perf_counter() - start
                 else:
@@ -229,6 +230,7 @@ def _loop_methods(settings: Settings):
     top = max(settings.block_sizes)
     if top > 1:
         methods += [(f"{_loop_name(top)}-v{k}", loop_method(top, settings, k)) for k in settings.draft_vocabs]
+        methods += [(f"{_loop_name(top)}-t{p:g}", loop_method(top, settings, threshold=p)) for p in settings.draft_thresholds]
     return methods
 
 

@@ -25,6 +25,8 @@ def add_generate(sub) -> None:
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     add_model_args(p)
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
+    p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
+                   help="verify only the leading proposals the draft gives probability >= P (default 0: the whole block)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -78,7 +80,7 @@ def run_generate(args) -> int:
     start = time.perf_counter()
     ttft = None
     for step in stream_generate(pipe.draft, pipe.target, ids, args.max_new_tokens, pipe.stop_token_ids, params,
-                                args.block_size, None, gen):
+                                args.block_size, None, gen, draft_threshold=args.draft_threshold):
         if ttft is None:
             ttft = time.perf_counter() - start
         else:

@@ -76,8 +76,12 @@ class _DraftHead:
 
 
 def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last, pos, size,
-           mask_id, params: SamplingParams, generator, head: _DraftHead = _DraftHead()) -> _Block:
-    """One parallel draft pass over [last, mask x (size-1)] at positions pos..pos+size-1."""
+           mask_id, params: SamplingParams, generator, head: _DraftHead = _DraftHead(),
+           threshold: float = 0.0) -> _Block:
+    """One parallel draft pass over [last, mask x (size-1)] at positions pos..pos+size-1. With
+    `threshold` > 0 the proposals end before the first one the draft gives a probability
+    below it: the target then verifies fewer tokens. The cut uses the draft's numbers only,
+    so verification stays exact (greedy and sampled)."""
     block = torch.full((1, size), mask_id, dtype=torch.long, device=last.device)  # (1, S)
     block[:, 0] = last
     noise = target.embed(block, draft.config.input_embedding_scale)  # (1, S, H)
@@ -86,9 +90,24 @@ def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last
     cache.crop_to(pos)  # keep the context, drop the block's K/V
     logits = target.logits(hidden[:, 1:], head.rows)  # (1, S-1, V or draft vocabulary)
     if params.greedy or params.rule == "match":
-        return _Block(head.to_vocab(logits.argmax(-1)))
+        idx = logits.argmax(-1)  # (1, S-1)
+        if threshold > 0:
+            conf = torch.softmax(logits[0].float(), dim=-1).amax(-1)  # (S-1,) the draft's probability of each proposal
+            idx = idx[:, :_leading(conf >= threshold)]
+        return _Block(head.to_vocab(idx))
     q = probabilities(logits, params)  # (1, S-1, V or draft vocabulary)
-    return _Block(head.to_vocab(sample(q, generator)), head.full_probs(q, target.info.vocab_size))
+    idx = sample(q, generator)  # (1, S-1)
+    if threshold > 0:
+        keep = _leading(q[0].gather(-1, idx[0, :, None])[:, 0] >= threshold)
+        if keep == 0:
+            return _Block(idx[:, :0])
+        idx, q = idx[:, :keep], q[:, :keep]
+    return _Block(head.to_vocab(idx), head.full_probs(q, target.info.vocab_size))
+
+
+def _leading(ok: torch.Tensor) -> int:
+    """(K,) bool -> the number of leading True entries."""
+    return int(ok.long().cumprod(0).sum())
 
 
 def _verify(block: _Block, logits, params: SamplingParams, generator):
@@ -106,10 +125,14 @@ def _verify(block: _Block, logits, params: SamplingParams, generator):
 def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int,
                     stop_token_ids=None, params: SamplingParams = SamplingParams(), block_size: int | None = None,
                     mask_token_id: int | None = None, generator: torch.Generator | None = None,
-                    draft_window: int | None = None) -> Iterator[Step]:
-    """Yield one Step per loop iteration: first the prefill token, then each verified block."""
+                    draft_window: int | None = None, draft_threshold: float = 0.0) -> Iterator[Step]:
+    """Yield one Step per loop iteration: first the prefill token, then each verified block.
+    `draft_threshold` > 0: verify only the leading proposals the draft gives at least that
+    probability (fewer target tokens per step when the draft is unsure; 0: the whole block)."""
     target = as_target(target)
     block_size, mask_id, max_new_tokens = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id)
+    if not (isinstance(draft_threshold, (int, float)) and 0.0 <= draft_threshold <= 1.0):
+        raise GenerationError(f"draft_threshold must be a probability in [0, 1], got {draft_threshold!r}")
     if max_new_tokens == 0:
         return
     stop = frozenset(int(t) for t in (stop_token_ids or ()))
@@ -127,11 +150,13 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     while finish is None:
         size = min(block_size, max_new_tokens - generated)  # the block can yield up to `size` tokens
         if size > 1:
-            block = _draft(draft, target, draft_cache, ctx_hidden, last, pos, size, mask_id, params, generator, head)
+            block = _draft(draft, target, draft_cache, ctx_hidden, last, pos, size, mask_id, params, generator, head,
+                           draft_threshold)
         else:
             block = _Block(torch.empty(1, 0, dtype=torch.long, device=last.device))
-        verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, size)
-        logits, hidden = target.forward(verify_ids, target_cache, layer_ids)  # (1, size, V), (1, size, kH)
+        proposed = block.tokens.shape[1]
+        verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, 1 + proposed)
+        logits, hidden = target.forward(verify_ids, target_cache, layer_ids)  # (1, 1+K, V), (1, 1+K, kH)
         n_accepted, last = _verify(block, logits, params, generator)
         new = block.tokens[0, :n_accepted].tolist() + [int(last)]
         for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
@@ -144,7 +169,7 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
         pos, generated = pos + len(new), generated + len(new)
         if finish is None and generated >= max_new_tokens:
             finish = "length"
-        yield Step(new, size - 1, n_accepted, finish)
+        yield Step(new, proposed, n_accepted, finish)
 
 
 def _check_args(draft, target: TargetModel, input_ids, max_new_tokens, block_size, mask_token_id):
@@ -179,14 +204,15 @@ def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Ten
                     stop_token_ids=None, temperature: float = 0.0, block_size: int | None = None,
                     mask_token_id: int | None = None, return_stats: bool = False, top_p: float = 1.0,
                     top_k: int = 0, generator: torch.Generator | None = None, rule: str = "rejection",
-                    draft_window: int | None = None):
+                    draft_window: int | None = None, draft_threshold: float = 0.0):
     """Speculative generation; the output equals the target's own decoding (greedy: token for
     token; sampled: in distribution). Returns output_ids (1, T+N), or a GenerationResult."""
     params = SamplingParams(temperature, top_p, top_k, rule)
     start = time.perf_counter()
     tokens, lengths, counts, ttft, finish, steps = [], [], [], 0.0, "length", 0
     for i, step in enumerate(stream_generate(model, target, input_ids, max_new_tokens, stop_token_ids, params,
-                                             block_size, mask_token_id, generator, draft_window)):
+                                             block_size, mask_token_id, generator, draft_window,
+                                             draft_threshold)):
         tokens += step.tokens
         if i == 0:
             ttft = time.perf_counter() - start

@@ -185,6 +185,16 @@ def test_draft_vocabulary_what_if_stays_exact(pipe):
     assert {r.method for r in records} == {n for n, _ in methods}
 
 
+def test_draft_threshold_methods_stay_exact_and_propose_less(pipe):
+    settings = Settings(block_sizes=(8,), prompt_lookup=0, loop_baseline=False, draft_thresholds=(0.02, 1.0))
+    methods = build_methods(settings)
+    assert [n for n, _ in methods] == [BASELINE, "dflash-b8", "dflash-b8-t0.02", "dflash-b8-t1"]
+    records = bench.run_bench(pipe, PROMPTS[:2], methods, 12, warmup=False)
+    assert bench.check_equal(records) == []
+    by = {m: [p for r in records if r.method == m for p, _, _ in r.steps] for m in ("dflash-b8", "dflash-b8-t1")}
+    assert max(by["dflash-b8"]) == 7 and set(by["dflash-b8-t1"]) == {0}  # threshold 1: plain decoding steps
+
+
 def test_time_budget_stops_between_prompts(pipe):
     import time
 

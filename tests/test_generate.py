@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dflash import generate as gen
+from dflash.generate import GenerationError
 from dflash.model import dflash_generate
 from dflash.target import TargetModel
 
@@ -63,7 +64,7 @@ def test_stop_token_in_prompt_is_ignored(llama, llama_draft):
 def _force_proposals(monkeypatch, continuation, plant_at=None):
     """Replace the draft pass by an oracle that proposes the target's own continuation
     (optionally with a wrong token planted at block position `plant_at`)."""
-    def oracle(draft, target, cache, ctx_hidden, last, pos, size, mask_id, params, generator, head=None):
+    def oracle(draft, target, cache, ctx_hidden, last, pos, size, mask_id, params, generator, head=None, threshold=0.0):
         done = pos - oracle.prompt_len + 1  # tokens generated so far (including `last`)
         tokens = continuation[done: done + size - 1].clone()
         if plant_at is not None and plant_at - 1 < len(tokens):
@@ -140,3 +141,31 @@ def test_draft_vocabulary_keeps_output_exact(monkeypatch, llama):
         if temperature == 0.0:
             assert torch.equal(out, hf_greedy(llama, ids, 30))
     assert proposed and set(proposed) <= set(vocab)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.02, 0.2, 1.0])
+def test_draft_threshold_verifies_fewer_tokens_and_stays_exact(llama, threshold):
+    """Proposals end at the first one the draft is less sure of than `threshold`: the target
+    verifies fewer tokens per step, and the greedy output is still the target's own."""
+    draft = tiny_draft(llama, block_size=8)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    steps = list(gen.stream_generate(draft, TargetModel(llama), ids, 40, block_size=8, draft_threshold=threshold))
+    out = [t for s in steps for t in s.tokens]
+    assert out == hf_greedy(llama, ids, 40)[0, 5:].tolist()
+    proposed, room, done = [], [], 1
+    for s in steps[1:]:
+        proposed.append(s.proposed)
+        room.append(min(8, 40 - done) - 1)  # proposals the block had room for
+        done += len(s.tokens)
+    if threshold == 0.0:
+        assert proposed == room
+    elif threshold == 1.0:  # no draft is ever certain: every step is a plain decoding step
+        assert set(proposed) == {0} and all(len(s.tokens) == 1 for s in steps)
+    else:
+        assert all(p <= r for p, r in zip(proposed, room)) and proposed != room
+    assert all(s.accepted <= s.proposed for s in steps)
+
+
+def test_draft_threshold_must_be_a_probability(llama, llama_draft):
+    with pytest.raises(GenerationError, match="draft_threshold"):
+        dflash_generate(llama_draft, llama, torch.tensor([[1, 2]]), 4, None, draft_threshold=1.5)

@@ -38,12 +38,12 @@ def exact_law(target, prompt, params):
     return law.flatten()
 
 
-def draw(target, draft, prompt, params, n, seed):
+def draw(target, draft, prompt, params, n, seed, threshold=0.0):
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V ** 3)
     for _ in range(n):
         out = dflash_generate(draft, target, prompt, 3, None, params.temperature, block_size=4, top_p=params.top_p,
-                              top_k=params.top_k, generator=g, rule=params.rule)
+                              top_k=params.top_k, generator=g, rule=params.rule, draft_threshold=threshold)
         a, b, c = out[0, -3:].tolist()
         counts[a * V * V + b * V + c] += 1
     return counts
@@ -64,18 +64,22 @@ def chi2_pvalue(counts, law):
     SamplingParams(1.0, rule="match"),
     SamplingParams(0.8, top_p=0.9, top_k=3, rule="rejection"),
     "draft-vocab",
-], ids=["rejection", "match", "rejection-topk-topp", "rejection-draft-vocab"])
+    "threshold",
+], ids=["rejection", "match", "rejection-topk-topp", "rejection-draft-vocab", "rejection-draft-threshold"])
 def test_sampled_tokens_follow_target_distribution(peaked, params):
     """2000 seeded draws of three tokens (the 2nd and 3rd come from one verified block);
     chi-square goodness of fit against the exact law, rejecting at p < 0.001."""
     target, draft = peaked
+    threshold = 0.0
+    if params == "threshold":  # proposals end at the first one the draft samples with q < 0.5
+        params, threshold = SamplingParams(1.0), 0.5
     if params == "draft-vocab":  # the draft may only propose ids 1 and 3
         params, draft = SamplingParams(1.0), copy.deepcopy(draft)
         draft.config.draft_vocab = [1, 3]
     prompt = torch.tensor([[1, 3, 2]])
     law = exact_law(target, prompt, params)
     assert law.max() < 0.9  # the law is spread, so a biased sampler would show
-    counts = draw(target, draft, prompt, params, 2000, seed=11)
+    counts = draw(target, draft, prompt, params, 2000, seed=11, threshold=threshold)
     assert chi2_pvalue(counts, law) > 1e-3
     # the test has power: the draft's own law differs enough to be rejected
     biased = law.clone().view(V, V, V)
