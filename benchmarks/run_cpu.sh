@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The committed CPU benchmark (docs/PERFORMANCE.md): the step profile and cost curve, then
-# every method interleaved prompt by prompt on the four offline prompt sets. One torch
-# thread: on this shared 2-core machine two threads lose 3-4x to the other jobs.
+# every method interleaved prompt by prompt on the four offline prompt sets. THREADS: torch
+# threads (2 = both cores of this machine when nothing else runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/cpu}
-$PY -m dflash.bench profile --threads 1 --clock cpu --out "$OUT/profile"
+THREADS=${THREADS:-2}
+$PY -m dflash.bench profile --threads "$THREADS" --clock wall --out "$OUT/profile"
 $PY -m dflash.bench bench --datasets humaneval math mtbench sharegpt --limit "${LIMIT:-4}" --max-new-tokens 128 \
-    --block-size 16 --draft-vocab 8192 --threads 1 --time-budget "${BUDGET:-2200}" \
+    --block-size 4 16 --draft-threshold 0.3 --threads "$THREADS" --time-budget "${BUDGET:-1500}" \
     --output "$OUT/results.json" --markdown "$OUT/results.md" --plots "$OUT" \
     --profile-json "$OUT/profile/profile.json"
