@@ -80,6 +80,9 @@ def vllm_problems(config: DFlashConfig, target_config=None) -> tuple[list[str], 
         warnings.append("mixed sliding/full draft layers need vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
     if config.rope_scaling and config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) not in (None, "default"):
         warnings.append(f"rope_scaling {config.rope_scaling}: written as rope_parameters; check vLLM's rope for it")
+    if config.draft_vocab is not None:
+        warnings.append(f"draft_vocab ({len(config.draft_vocab)} ids) is not exported: vLLM proposes from the full "
+                        "vocabulary (exact all the same; its acceptance can differ from this package's)")
     if len(set(config.target_layer_ids)) != len(config.target_layer_ids):
         warnings.append(f"target_layer_ids {config.target_layer_ids} repeat a layer")
     if target_config is not None:
@@ -106,6 +109,7 @@ def vllm_problems(config: DFlashConfig, target_config=None) -> tuple[list[str], 
 def vllm_config_dict(config: DFlashConfig, dtype: str) -> dict:
     """`DFlashConfig.to_dict()` plus the keys vLLM and transformers 5 read (see module doc)."""
     d = config.to_dict()
+    d["dflash_config"].pop("draft_vocab", None)  # vLLM's own form is EAGLE-3's d2t + lm_head rows
     d["dtype"] = d["torch_dtype"] = dtype
     rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
     rope.pop("type", None)

@@ -93,6 +93,11 @@ def test_export_refuses_what_vllm_runs_differently(tmp_path, target):
     last = DFlashConfig.for_target(target.config, num_hidden_layers=1, target_layer_ids=[3])
     errors, _ = vllm_problems(last, target.config)
     assert any("last" in e for e in errors)
+    vocab = tiny_draft(target, layers=1)
+    vocab.config.draft_vocab = list(range(40))
+    rep = export_draft(vocab, tmp_path / "v")
+    assert any("draft_vocab" in w for w in rep.warnings)
+    assert "draft_vocab" not in json.loads((tmp_path / "v" / "config.json").read_text())["dflash_config"]
     other = tiny_target("llama", hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
     errors, _ = vllm_problems(draft.config, other.config)
     assert any("hidden_size" in e for e in errors)
@@ -202,6 +207,7 @@ def test_vllm_serves_our_draft_losslessly_with_our_acceptance(vllm_py, monkeypat
     torch.set_num_threads(1)  # like vLLM's worker; two threads on a busy 2-core machine crawl
     monkeypatch.setenv("DFLASH_VLLM_PYTHON", vllm_py)
     pipe = Pipeline.load(None, None, quiet=True)  # the shipped draft if present, else a random one
+    pipe.draft.config.draft_vocab = None  # vLLM proposes from the full vocabulary: compare like with like
     settings = Settings(block_sizes=(16,))
     settings.vllm = True
     methods = [(BASELINE, hf_method(BASELINE, settings)), ("dflash-b16", loop_method(16, settings))]
