@@ -11,7 +11,8 @@ from typing import Iterator
 import torch
 
 from .draft import DFlashDraftModel
-from .sampling import SamplingParams, next_token, probabilities, sample, verify_greedy, verify_match, verify_rejection
+from .sampling import (SamplingParams, accepted_prefix, next_token, probabilities, sample, verify_greedy, verify_match,
+                       verify_rejection)
 from .target import TargetModel, as_target, check_compatible
 
 
@@ -53,13 +54,13 @@ class _Block:
 
 
 @dataclass
-class _DraftHead:
+class DraftHead:
     """The lm_head the draft proposes with: all rows, or only its draft vocabulary's."""
     ids: torch.Tensor | None = None  # (K,) vocabulary ids of the rows, None = the full head
     rows: torch.Tensor | None = None  # (K, H)
 
     @classmethod
-    def build(cls, draft: DFlashDraftModel, target: TargetModel) -> "_DraftHead":
+    def build(cls, draft: DFlashDraftModel, target: TargetModel) -> "DraftHead":
         if draft is None or draft.config.draft_vocab is None:
             return cls()
         ids = torch.tensor(draft.config.draft_vocab, dtype=torch.long, device=target.device)
@@ -76,7 +77,7 @@ class _DraftHead:
 
 
 def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last, pos, size,
-           mask_id, params: SamplingParams, generator, head: _DraftHead = _DraftHead(),
+           mask_id, params: SamplingParams, generator, head: DraftHead = DraftHead(),
            threshold: float = 0.0) -> _Block:
     """One parallel draft pass over [last, mask x (size-1)] at positions pos..pos+size-1. With
     `threshold` > 0 the proposals end before the first one the draft gives a probability
@@ -92,22 +93,15 @@ def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last
     if params.greedy or params.rule == "match":
         idx = logits.argmax(-1)  # (1, S-1)
         if threshold > 0:
-            conf = torch.softmax(logits[0].float(), dim=-1).amax(-1)  # (S-1,) the draft's probability of each proposal
-            idx = idx[:, :_leading(conf >= threshold)]
+            conf = torch.softmax(logits.float(), dim=-1).amax(-1)  # (1, S-1) the draft's probability of each proposal
+            idx = idx[:, :int(accepted_prefix(conf >= threshold)[0])]
         return _Block(head.to_vocab(idx))
     q = probabilities(logits, params)  # (1, S-1, V or draft vocabulary)
     idx = sample(q, generator)  # (1, S-1)
     if threshold > 0:
-        keep = _leading(q[0].gather(-1, idx[0, :, None])[:, 0] >= threshold)
-        if keep == 0:
-            return _Block(idx[:, :0])
+        keep = int(accepted_prefix(q.gather(-1, idx[..., None])[..., 0] >= threshold)[0])
         idx, q = idx[:, :keep], q[:, :keep]
     return _Block(head.to_vocab(idx), head.full_probs(q, target.info.vocab_size))
-
-
-def _leading(ok: torch.Tensor) -> int:
-    """(K,) bool -> the number of leading True entries."""
-    return int(ok.long().cumprod(0).sum())
 
 
 def _verify(block: _Block, logits, params: SamplingParams, generator):
@@ -139,7 +133,7 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     layer_ids = draft.config.target_layer_ids if block_size > 1 else None
     target_cache = target.new_cache()
     draft_cache = draft.new_cache(draft_window) if block_size > 1 else None
-    head = _DraftHead.build(draft, target) if block_size > 1 else None
+    head = DraftHead.build(draft, target) if block_size > 1 else None
 
     logits, ctx_hidden = target.forward(input_ids, target_cache, layer_ids, logits_to_keep=1)  # (1, 1, V), (1, T, kH)
     last = next_token(logits[:, -1], params, generator)  # (1,)

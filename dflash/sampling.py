@@ -66,7 +66,7 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator=None) -> 
     return sample(probabilities(logits, params), generator)
 
 
-def _accepted_prefix(ok: torch.Tensor) -> torch.Tensor:
+def accepted_prefix(ok: torch.Tensor) -> torch.Tensor:
     """ok: (B, K) bool per draft position -> (B,) length of the all-True prefix."""
     return ok.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
 
@@ -75,7 +75,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
     """draft_tokens: (B, K); target_logits: (B, K+1, V).
     Returns (num_accepted (B,), next token (B,)): the bonus or the target's correction."""
     target_tokens = target_logits.argmax(-1)  # (B, K+1)
-    num_accepted = _accepted_prefix(draft_tokens == target_tokens[:, :-1])  # (B,)
+    num_accepted = accepted_prefix(draft_tokens == target_tokens[:, :-1])  # (B,)
     return num_accepted, target_tokens.gather(1, num_accepted[:, None])[:, 0]
 
 
@@ -83,7 +83,7 @@ def verify_match(draft_tokens: torch.Tensor, target_probs: torch.Tensor, generat
     """Greedy draft, sample-and-match. draft_tokens: (B, K); target_probs: (B, K+1, V).
     The target samples at every position; proposals are accepted while they equal its sample."""
     target_tokens = sample(target_probs, generator)  # (B, K+1)
-    num_accepted = _accepted_prefix(draft_tokens == target_tokens[:, :-1])  # (B,)
+    num_accepted = accepted_prefix(draft_tokens == target_tokens[:, :-1])  # (B,)
     return num_accepted, target_tokens.gather(1, num_accepted[:, None])[:, 0]
 
 
@@ -95,10 +95,10 @@ def verify_rejection(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, targ
     p = target_probs[:, :k].gather(-1, draft_tokens[..., None])[..., 0]  # (B, K)
     q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]  # (B, K)
     u = torch.rand(p.shape, generator=generator, device=p.device)  # (B, K)
-    num_accepted = _accepted_prefix(u * q < p)  # accept with probability min(1, p/q)
+    num_accepted = accepted_prefix(u * q < p)  # accept with probability min(1, p/q)
     rows = torch.arange(b, device=p.device)
     p_next = target_probs[rows, num_accepted]  # (B, V) target's distribution at the first rejection
-    q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], 1)[rows, num_accepted]  # (B, V)
+    q_next = torch.cat([draft_probs, draft_probs.new_zeros(b, 1, draft_probs.shape[-1])], 1)[rows, num_accepted]  # (B, V)
     residual = (p_next - q_next).clamp_min(0)  # all-accepted rows: q_next = 0, so this is p (bonus)
     total = residual.sum(-1, keepdim=True)
     residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p_next)

@@ -6,6 +6,7 @@ import torch
 from dflash import generate as gen
 from dflash.generate import GenerationError
 from dflash.model import dflash_generate
+from dflash.sampling import SamplingParams
 from dflash.target import TargetModel
 
 from conftest import tiny_draft, tiny_target
@@ -161,6 +162,10 @@ def test_draft_threshold_verifies_fewer_tokens_and_stays_exact(llama, threshold)
         assert proposed == room
     elif threshold == 1.0:  # no draft is ever certain: every step is a plain decoding step
         assert set(proposed) == {0} and all(len(s.tokens) == 1 for s in steps)
+        sampled = list(gen.stream_generate(draft, TargetModel(llama), ids, 12, params=SamplingParams(1.0),
+                                           block_size=8, generator=torch.Generator().manual_seed(0),
+                                           draft_threshold=threshold))  # rejection sampling with no proposals
+        assert [s.proposed for s in sampled[1:]] == [0] * 11 and sum(len(s.tokens) for s in sampled) == 12
     else:
         assert all(p <= r for p, r in zip(proposed, room)) and proposed != room
     assert all(s.accepted <= s.proposed for s in steps)
