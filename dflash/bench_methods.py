@@ -105,10 +105,13 @@ def _rss() -> int:
 # ---- our loop ------------------------------------------------------------------------
 def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None, threshold: float = 0.0) -> Method:
     """dflash's loop at `block_size` (1: plain target decoding through the same loop)."""
+    vocab: dict[int, list[int]] = {}  # the draft vocabulary per pipeline, built on first use
 
     def run(pipe, input_ids, max_new_tokens) -> Record:
         if draft_vocab:
-            with draft_vocabulary(pipe.draft, settings.vocab_source(pipe, draft_vocab)):
+            if id(pipe) not in vocab:
+                vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
+            with draft_vocabulary(pipe.draft, vocab[id(pipe)]):
                 return _run(pipe, input_ids, max_new_tokens)
         return _run(pipe, input_ids, max_new_tokens)
 
@@ -145,20 +148,13 @@ def draft_vocabulary(draft, ids: list[int] | None):
         draft.config.draft_vocab = saved
 
 
-_VOCABS: dict[tuple[int, int], list[int]] = {}
-
-
 def frequent_vocabulary(pipe, size: int) -> list[int]:
     """The `size` most frequent ids of the ShareGPT train prompts (plus the stop tokens),
-    as `python -m dflash.draft_vocab` writes them into a checkpoint; cached per size."""
-    key = (id(pipe.tokenizer), size)
-    if key not in _VOCABS:
-        from .draft_vocab import frequent_ids
-        from .prompts import sharegpt
+    as `python -m dflash.draft_vocab` writes them into a checkpoint."""
+    from .draft_vocab import frequent_ids
+    from .prompts import sharegpt
 
-        texts = [p.content for p in sharegpt(split="train")]
-        _VOCABS[key] = frequent_ids(pipe.tokenizer, texts, size, always=pipe.stop_token_ids)
-    return _VOCABS[key]
+    return frequent_ids(pipe.tokenizer, [p.content for p in sharegpt(split="train")], size, always=pipe.stop_token_ids)
 
 
 def _loop_name(block_size: int) -> str:

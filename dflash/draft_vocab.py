@@ -21,8 +21,14 @@ def frequent_ids(tokenizer, texts, size: int, always=()) -> list[int]:
             batch = []
     if batch:
         counts.update(i for ids in tokenizer(batch, add_special_tokens=False).input_ids for i in ids)
+    return most_frequent(counts, size, always)
+
+
+def most_frequent(counts: Counter, size: int, always=()) -> list[int]:
+    """`always` plus the most frequent ids of `counts` up to `size` in all (ties: the smaller
+    id first), sorted."""
     chosen = {int(i) for i in always}
-    for i, _ in counts.most_common():
+    for i, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
         if len(chosen) >= size:
             break
         chosen.add(int(i))

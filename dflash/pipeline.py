@@ -48,12 +48,7 @@ class Pipeline:
 
     @property
     def stop_token_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
-        for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
-            i = self.tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(i, int) and i != self.tokenizer.unk_token_id:
-                ids.add(i)
-        return sorted(i for i in ids if i is not None)
+        return stop_token_ids(self.tokenizer)
 
     def encode_chat(self, messages: list[dict]) -> torch.Tensor:
         """Chat messages through the target's chat template -> (1, T)."""
@@ -67,6 +62,16 @@ class Pipeline:
     def encode_text(self, text: str, special: bool = True) -> torch.Tensor:
         ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids
         return ids.to(self.target.device)
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The eos id plus the end-of-turn tokens of the common chat templates the tokenizer knows."""
+    ids = {tokenizer.eos_token_id}
+    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if i is not None)
 
 
 def _mask_token(tokenizer, target: TargetModel) -> int:

@@ -306,6 +306,7 @@ def test_draft_vocab_loss_is_the_softmax_of_the_proposing_head():
     the exact softmax over those rows, labels outside it carry no loss, and the held-out
     proposals come from those rows only."""
     from dflash.train.blocks import VocabSubset
+    from dflash.generate import DraftHead
     from dflash.train.evaluate import Evaluator
     from dflash.train.fit import frequent_labels
 
@@ -331,7 +332,7 @@ def test_draft_vocab_loss_is_the_softmax_of_the_proposing_head():
     assert len(vocab) == 12
     rec = t.train_step()
     assert math.isfinite(rec["loss"]) and rec["loss"] > 0
-    props = Evaluator(t, None)._propose(torch.randn(50, 64))
+    props = Evaluator(t, None)._propose(torch.randn(50, 64), DraftHead.build(t.draft, t.target))
     assert set(props.tolist()) <= set(vocab)
     with pytest.raises(ValueError, match="needs draft_vocab"):
         Trainer(fit_cfg(loss_vocab="draft"), target, seqs, MASK, LAYERS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..generate import DraftHead
 from .blocks import IGNORE, draft_hidden
 
 EVAL_EPOCH = 10_000_019  # a fixed anchor seed for held-out evaluation, never a training epoch
@@ -36,13 +37,14 @@ class Evaluator:
             return {}
         t.draft.eval()
         accs, tot, taus, n = 0, 0, [], 0
+        head = DraftHead.build(t.draft, t.target)  # the rows the draft proposes from, gathered once
         for s in range(0, len(self.heldout_idx), t.cfg.batch_size):
             b = t.make_batch(self.heldout_idx[s:s + t.cfg.batch_size], EVAL_EPOCH, t.heldout)
             hidden = draft_hidden(t.draft, t.target, b)  # (N, Q, H)
             pred = torch.full_like(b.labels, -1)  # (N, Q)
             sel = b.labels != IGNORE
             h = hidden[sel]  # (M, H)
-            pieces = [self._propose(h[i:i + t.cfg.logits_chunk]) for i in range(0, h.shape[0], t.cfg.logits_chunk)]
+            pieces = [self._propose(h[i:i + t.cfg.logits_chunk], head) for i in range(0, h.shape[0], t.cfg.logits_chunk)]
             if pieces:
                 pred[sel] = torch.cat(pieces)
             acc, cnt, tau = block_scores(pred == b.labels, b.labels, t.cfg.block_size)
@@ -54,13 +56,9 @@ class Evaluator:
         acc = (accs / tot.clamp(min=1)).tolist()
         return {"heldout_acc": acc, "heldout_acc1": float(acc[0]), "heldout_block_tau": sum(taus) / max(n, 1)}
 
-    def _propose(self, h: torch.Tensor) -> torch.Tensor:
+    def _propose(self, h: torch.Tensor, head: DraftHead) -> torch.Tensor:
         """(m, H) -> (m,) the draft's greedy proposal, from its draft vocabulary when it has one."""
-        vocab = self.t.draft.config.draft_vocab
-        if vocab is None:
-            return self.t.target.logits(h).argmax(-1)
-        ids = torch.tensor(vocab, device=h.device)  # (K,)
-        return ids[self.t.target.logits(h, self.t.target.head_rows(ids)).argmax(-1)]
+        return head.to_vocab(self.t.target.logits(h, head.rows).argmax(-1))
 
     def _eval_prompts(self):
         if self.prompts is None:

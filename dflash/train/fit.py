@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 import zlib
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from ..config import DFlashConfig
 from ..draft import DFlashDraftModel
+from ..draft_vocab import most_frequent
+from ..pipeline import stop_token_ids
 from ..target import TargetModel
 from .blocks import VocabSubset, build_batch, chunked_loss_backward, cosine_lambda, draft_hidden, sample_anchors
 from .config import FitConfig
@@ -56,7 +59,7 @@ class Trainer:
                                        intermediate_size=cfg.intermediate_size)
         if cfg.draft_vocab:
             dcfg.draft_vocab = frequent_labels([s.labels[s.prompt_len + 1:] for s in self.train_seqs], cfg.draft_vocab,
-                                               always=_stop_ids(tokenizer))
+                                               always=stop_token_ids(tokenizer) if tokenizer is not None else ())
         elif cfg.loss_vocab == "draft":
             raise ValueError("loss_vocab 'draft' needs draft_vocab (the number of ids the draft proposes from)")
         torch.manual_seed(cfg.seed)
@@ -192,21 +195,7 @@ class Trainer:
 
 def frequent_labels(label_streams: list[torch.Tensor], size: int, always=()) -> list[int]:
     """The `size` most frequent label ids (ties: the smaller id), plus `always`; sorted."""
-    counts = torch.bincount(torch.cat(label_streams)) if label_streams else torch.zeros(0, dtype=torch.long)
-    order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
-    chosen = {int(i) for i in always}
-    for i in order:
-        if len(chosen) >= size or counts[i] == 0:
-            break
-        chosen.add(i)
-    return sorted(chosen)
-
-
-def _stop_ids(tokenizer) -> list[int]:
-    if tokenizer is None:
-        return []
-    ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return sorted({i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id})
+    return most_frequent(Counter(torch.cat(label_streams).tolist()) if label_streams else Counter(), size, always)
 
 
 class _null:

@@ -35,6 +35,8 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
     emits a stop token, so finished rows cost nothing."""
     from transformers import DynamicCache
 
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     b = len(prompts)
     lengths = [len(p) for p in prompts]
     width = max(lengths)
@@ -46,16 +48,17 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
     cache = DynamicCache(config=model.config)
     stop = torch.tensor(stop_ids, dtype=torch.long)
-    feats: torch.Tensor | None = None  # (B, width + N - 1, k*H) fp16, filled row by row
-    tokens = torch.full((b, max(max_new_tokens, 1)), pad_id, dtype=torch.long)  # (B, N)
+    hidden = model.config.get_text_config().hidden_size
+    feats = torch.zeros(b, width + max_new_tokens - 1, len(layer_ids) * hidden, dtype=torch.float16)  # (B, T+N-1, k*H)
+    tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long)  # (B, N)
+    n_out = torch.full((b,), max_new_tokens)  # (B,) response length of each row
+    stopped = torch.zeros(b, dtype=torch.bool)  # (B,) ended by a stop token
     alive = torch.arange(b)  # (A,) original rows still generating
     step_ids, step_pos, t = ids, pos, 0
     for s in range(max_new_tokens):
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True,
                     output_hidden_states=True, logits_to_keep=1, **_cache_kwargs(model, cache))
         f = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).half()  # (A, T_step, k*H)
-        if feats is None:
-            feats = f.new_zeros(b, width + max_new_tokens - 1, f.shape[-1])
         feats[alive, t:t + f.shape[1]] = f
         t += f.shape[1]
         logits = out.logits[:, -1].float()  # (A, V)
@@ -66,6 +69,7 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
             nxt = logits.argmax(-1)  # (A,)
         tokens[alive, s] = nxt
         keep = ~torch.isin(nxt, stop)  # (A,)
+        n_out[alive[~keep]], stopped[alive[~keep]] = s + 1, True
         if not bool(keep.any()):
             break
         if not bool(keep.all()):  # drop finished rows from the batch and the cache
@@ -77,14 +81,8 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (A, T+1)
     results = []
     for i in range(b):
-        resp = []
-        finished = False
-        for tok in tokens[i, :max_new_tokens].tolist():
-            resp.append(tok)
-            if tok in stop_ids:
-                finished = True
-                break
+        resp = tokens[i, :n_out[i]].tolist()
         n_in = lengths[i] + len(resp) - 1  # tokens the target consumed for this row
-        f = feats[i, width - lengths[i]: width - lengths[i] + n_in].clone() if feats is not None else torch.zeros(0, 0)
-        results.append(Generated(prompts[i], resp, f, finished))
+        f = feats[i, width - lengths[i]: width - lengths[i] + n_in].clone()  # (n_in, k*H)
+        results.append(Generated(prompts[i], resp, f, bool(stopped[i])))
     return results
