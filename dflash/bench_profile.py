@@ -15,18 +15,18 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .generate import _draft, stream_generate
+from .generate import DraftHead, _draft, stream_generate
 from .sampling import SamplingParams
 
 TARGET_NS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (128, 512, 1024)
 DRAFT_BLOCKS = (2, 4, 8, 12, 16, 24, 32)
-PARTS = ("draft_forward", "draft_head", "verify_forward")
+PARTS = ("draft_forward", "draft_head", "verify_forward", "verify_head")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = [time.perf_counter]
 
@@ -47,8 +47,10 @@ def median_ms(xs) -> float:
 
 @contextmanager
 def _timed(obj, name: str, key: str, sink: dict):
-    """Shadow obj.<name> with a timed wrapper that adds its seconds to sink[key]."""
-    fn = getattr(obj, name)
+    """Shadow obj.<name> (an instance's or a class's) with a timed wrapper that adds its
+    seconds to sink[key]; the original is put back after."""
+    own = name in vars(obj)
+    fn = vars(obj)[name] if own else getattr(obj, name)
 
     def wrapper(*args, **kwargs):
         t = clock()
@@ -61,21 +63,39 @@ def _timed(obj, name: str, key: str, sink: dict):
     try:
         yield
     finally:
-        delattr(obj, name)
+        if own:
+            setattr(obj, name, fn)
+        else:
+            delattr(obj, name)
 
 
 @contextmanager
 def instrument(draft, target):
     """Yield a dict accumulating seconds per part while the loop runs: `verify_forward`
-    (every target forward, prefill included), `draft_head` (the lm_head on the draft's
-    hidden states) and `draft_forward` (the draft network)."""
+    (the target's layers, prefill included), `verify_head` (the target's lm_head on its own
+    rows), `draft_head` (the lm_head on the draft's hidden states) and `draft_forward` (the
+    draft network). Both heads go through `target.logits`; the draft's share is timed at
+    `DraftHead.logits` and taken off."""
     raw = defaultdict(float)
-    with _timed(target, "forward", "verify_forward", raw), _timed(target, "logits", "draft_head", raw):
-        if draft is None:
-            yield raw
-            return
-        with _timed(draft, "forward", "draft_forward", raw):
-            yield raw
+    with (_timed(target, "forward_hidden", "verify_forward", raw), _timed(target, "logits", "head", raw),
+          _timed(DraftHead, "logits", "draft_head", raw),
+          _timed(draft, "forward", "draft_forward", raw) if draft is not None else nullcontext()):
+        yield _Parts(raw)
+
+
+class _Parts:
+    """A read view of the raw sums with verify_head = all head time - the draft's."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def __getitem__(self, name):
+        if name == "verify_head":
+            return self.raw["head"] - self.raw["draft_head"]
+        return self.raw[name]
+
+    def snapshot(self) -> dict:
+        return {name: self[name] for name in PARTS}
 
 
 @dataclass
@@ -95,7 +115,7 @@ def profile_steps(draft, target, input_ids, block_size: int, max_new_tokens: int
     step's wall time minus its timed parts (sampling, verification, cache crops, Python)."""
     per_step, wall, tokens = defaultdict(list), [], []
     with instrument(draft, target) as raw:
-        snap, last = dict(raw), clock()
+        snap, last = raw.snapshot(), clock()
         for i, step in enumerate(stream_generate(draft, target, input_ids, max_new_tokens, (), SamplingParams(),
                                                  block_size)):
             now = clock()
@@ -103,8 +123,8 @@ def profile_steps(draft, target, input_ids, block_size: int, max_new_tokens: int
                 wall.append(now - last)
                 tokens.append(len(step.tokens))
                 for name in PARTS:
-                    per_step[name].append(raw[name] - snap.get(name, 0.0))
-            snap, last = dict(raw), clock()
+                    per_step[name].append(raw[name] - snap[name])
+            snap, last = raw.snapshot(), clock()
     parts = {name: median_ms(per_step[name]) for name in PARTS}
     parts["host"] = median_ms([w - sum(per_step[n][i] for n in PARTS) for i, w in enumerate(wall)])
     return StepTimes(block_size, len(wall), sum(tokens) / max(len(tokens), 1), median_ms(wall), parts)

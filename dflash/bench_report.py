@@ -130,6 +130,9 @@ def write_plots(summaries: list[Summary], baseline: str, folder: Path) -> list[P
 
 
 # ---- `dflash profile` ----------------------------------------------------------------
+STEP_PARTS = ("draft_forward", "draft_head", "verify_forward", "verify_head", "host")
+
+
 def profile_markdown(result: dict) -> str:
     o = result["overhead"]
     lines = [f"Machine: {result['machine']['threads']} torch threads, load average "
@@ -138,10 +141,10 @@ def profile_markdown(result: dict) -> str:
              f"{o['block_step_ms']:.1f} ms vs one plain decode step {o['plain_step_ms']:.1f} ms: "
              f"**{o['ratio']:.2f}x** (a bare {o['block_size']}-token target forward: {o['bare_forward_ratio']:.2f}x).",
              "", "Step profile (median ms per step; host = step minus the timed parts):", "",
-             "| block | tokens/step | step | draft forward | draft lm_head | verify forward | host |",
-             "|---|---|---|---|---|---|---|"]
+             "| block | tokens/step | step | draft forward | draft lm_head | verify forward | verify lm_head | host |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {s['block_size']} | {s['tokens_per_step']:.2f} | {s['step_ms']:.1f} | "
-              + " | ".join(f"{s['parts_ms'][k]:.1f}" for k in ("draft_forward", "draft_head", "verify_forward", "host"))
+              + " | ".join(f"{s['parts_ms'][k]:.1f}" for k in STEP_PARTS)
               + " |" for s in [_as_step(o, "plain"), _as_step(o, "block")] + result["steps"]]
     lines[-len(result["steps"]) - 2] += "  (overhead check, plain)"
     lines[-len(result["steps"]) - 1] += "  (overhead check, random draft)"

@@ -52,6 +52,10 @@ class _Block:
     tokens: torch.Tensor  # (1, K) proposals
     probs: torch.Tensor | None = None  # (1, K, V) the draft's q, for rejection sampling
 
+    def slice(self, start: int, stop: int | None) -> "_Block":
+        probs = None if self.probs is None else self.probs[:, start:stop]
+        return _Block(self.tokens[:, start:stop], probs)
+
 
 @dataclass
 class DraftHead:
@@ -65,6 +69,10 @@ class DraftHead:
             return cls()
         ids = torch.tensor(draft.config.draft_vocab, dtype=torch.long, device=target.device)
         return cls(ids, target.head_rows(ids))
+
+    def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (1, S, H) -> (1, S, V or K) the draft's logits."""
+        return target.logits(hidden, self.rows)
 
     def to_vocab(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.ids is None else self.ids[idx]
@@ -89,7 +97,7 @@ def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last
     positions = torch.arange(cache.length, pos + size, device=last.device)[None]  # (1, C+S)
     hidden = draft(positions, noise_embedding=noise, target_hidden=ctx_hidden, past_key_values=cache, use_cache=True)
     cache.crop_to(pos)  # keep the context, drop the block's K/V
-    logits = target.logits(hidden[:, 1:], head.rows)  # (1, S-1, V or draft vocabulary)
+    logits = head.logits(target, hidden[:, 1:])  # (1, S-1, V or draft vocabulary)
     if params.greedy or params.rule == "match":
         idx = logits.argmax(-1)  # (1, S-1)
         if threshold > 0:
@@ -104,7 +112,7 @@ def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last
     return _Block(head.to_vocab(idx), head.full_probs(q, target.info.vocab_size))
 
 
-def _verify(block: _Block, logits, params: SamplingParams, generator):
+def _check(block: _Block, logits, params: SamplingParams, generator):
     """logits: (1, K+1, V) -> (num accepted, the target's token after them)."""
     if params.greedy:
         n, tok = verify_greedy(block.tokens, logits)
@@ -113,6 +121,24 @@ def _verify(block: _Block, logits, params: SamplingParams, generator):
     else:
         n, tok = verify_rejection(block.tokens, block.probs, probabilities(logits, params), generator)
     return int(n[0]), tok
+
+
+def _verify(block: _Block, target: TargetModel, final: torch.Tensor, params: SamplingParams, generator):
+    """final: (1, K+1, H) the target's last hidden states at [last, proposals].
+    The lm_head runs on row 0 first, and on the other K rows only when the first proposal is
+    accepted: on CPU one row of a large vocabulary costs far less than K+1 rows, and a weak
+    draft's first proposal is rejected in most steps. Testing proposal 1, then the rest as a
+    block of its own, is the same sequential test, so the output stays exact."""
+    if block.tokens.shape[1] == 0:
+        return _check(block, target.logits(final), params, generator)
+    first = target.logits(final[:, :1])  # (1, 1, V)
+    # row 0 twice: the second row would only give the token after an accepted proposal 1,
+    # which is then dropped for the rest's own verdict
+    n, tok = _check(block.slice(0, 1), first.expand(-1, 2, -1), params, generator)
+    if n == 0:
+        return 0, tok
+    n, tok = _check(block.slice(1, None), target.logits(final[:, 1:]), params, generator)  # (1, K, V)
+    return 1 + n, tok
 
 
 @torch.inference_mode()
@@ -150,8 +176,8 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
             block = _Block(torch.empty(1, 0, dtype=torch.long, device=last.device))
         proposed = block.tokens.shape[1]
         verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, 1 + proposed)
-        logits, hidden = target.forward(verify_ids, target_cache, layer_ids)  # (1, 1+K, V), (1, 1+K, kH)
-        n_accepted, last = _verify(block, logits, params, generator)
+        final, hidden = target.forward_hidden(verify_ids, target_cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
+        n_accepted, last = _verify(block, target, final, params, generator)
         new = block.tokens[0, :n_accepted].tolist() + [int(last)]
         for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
             if t in stop:

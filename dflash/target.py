@@ -39,8 +39,10 @@ class TargetModel:
         self.embed_weight = model.get_input_embeddings().weight  # (V, H)
         self.head = model.get_output_embeddings()
         self.softcap = getattr(tc, "final_logit_softcapping", None)
+        # the decoder stack without the lm_head: verification applies the head lazily
+        self.decoder = model.get_decoder()
         # transformers >= 5.2x names the cache argument `cache` (`past_key_values` before)
-        params = inspect.signature(model.forward).parameters
+        params = inspect.signature(self.decoder.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.info = TargetInfo(
             num_layers=tc.num_hidden_layers,
@@ -80,18 +82,25 @@ class TargetModel:
         return TargetCache(self.model.config)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None,
-                logits_to_keep: int = 0):
-        """ids: (B, T) at positions cache.length .. cache.length+T-1. Returns logits
-        (B, T or logits_to_keep, V) and the chosen layers' outputs (B, T, k*H) or None."""
+    def forward_hidden(self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None):
+        """ids: (B, T) at positions cache.length .. cache.length+T-1. Returns the final
+        (normed) hidden states (B, T, H), ready for `logits`, and the chosen layers' outputs
+        (B, T, k*H) or None."""
         start = cache.length
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]  # (1, T)
-        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, output_hidden_states=bool(layer_ids),
-                         logits_to_keep=logits_to_keep, **{self._cache_arg: cache.hf})
+        out = self.decoder(input_ids=ids, position_ids=positions, use_cache=True,
+                           output_hidden_states=bool(layer_ids), **{self._cache_arg: cache.hf})
         hidden = None
         if layer_ids:
             hidden = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (B, T, k*H)
-        return out.logits, hidden
+        return out.last_hidden_state, hidden
+
+    def forward(self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None,
+                logits_to_keep: int = 0):
+        """As `forward_hidden`, with the logits (B, T or logits_to_keep, V) of the last rows."""
+        final, hidden = self.forward_hidden(ids, cache, layer_ids)
+        with torch.inference_mode():
+            return self.logits(final[:, -logits_to_keep:]), hidden
 
 
 def as_target(target) -> TargetModel:

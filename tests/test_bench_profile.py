@@ -5,7 +5,10 @@ import pytest
 from conftest import tiny_draft, tiny_target
 from dflash import bench_profile as bp
 from dflash.bench_report import plot_cost_curve, profile_markdown
+from dflash.generate import DraftHead
 from dflash.target import TargetModel
+
+_draft_head_logits = DraftHead.logits
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +24,10 @@ def test_step_parts_add_up_and_timers_are_removed(models):
     ids = torch.tensor([[3, 5, 7, 9, 11]])
     s = bp.profile_steps(draft, target, ids, 8, 20)
     assert s.steps > 0 and s.tokens_per_step >= 1
-    assert all(s.parts_ms[k] >= 0 for k in ("draft_forward", "draft_head", "verify_forward"))
-    assert s.parts_ms["draft_forward"] > 0 and s.parts_ms["draft_head"] > 0
-    assert "forward" not in vars(target) and "logits" not in vars(target) and "forward" not in vars(draft)
+    assert all(s.parts_ms[k] >= 0 for k in bp.PARTS)
+    assert s.parts_ms["draft_forward"] > 0 and s.parts_ms["draft_head"] > 0 and s.parts_ms["verify_head"] > 0
+    assert not {"forward_hidden", "logits"} & set(vars(target)) and "forward" not in vars(draft)
+    assert DraftHead.logits is _draft_head_logits  # the class's method is put back
     plain = bp.profile_steps(None, target, ids, 1, 10)
     assert plain.parts_ms["draft_forward"] == 0 and plain.tokens_per_step == 1
 

@@ -33,11 +33,12 @@ def test_greedy_equals_hf_generate(pipe, prompt):
 
 
 def test_shipped_draft_is_accepted(pipe):
-    """The shipped draft's proposals are accepted, not only rejected (summed over the prompts)."""
+    """The shipped draft commits more than one token per step over these prompts (it reaches
+    1.23; a random draft ~1.0), so a broken loading, layer choice or mask shows here."""
     assert pipe.draft_trained, "no shipped draft at dflash/drafts/smollm2-135m-instruct"
-    accepted = 0
+    lengths = []
     for prompt in PROMPTS:
         ids = pipe.encode_chat([{"role": "user", "content": prompt}])
         res = dflash_generate(pipe.draft, pipe.target, ids, 48, pipe.stop_token_ids, block_size=16, return_stats=True)
-        accepted += sum(res.acceptance_counts)
-    assert accepted > 0
+        lengths += res.acceptance_lengths
+    assert sum(lengths) / len(lengths) >= 1.15
