@@ -68,3 +68,25 @@ class TargetCache:
 
     def crop_to(self, length: int) -> None:
         self.trim(self.length - length)
+
+
+class StaticTargetCache:
+    """The target's K/V in static_decoder's preallocated buffer (Llama-family targets):
+    appending writes in place and `trim` only moves the length back."""
+
+    def __init__(self, model, capacity: int = 1024):
+        from .static_decoder import KVBuffer
+
+        self.kv = KVBuffer(model, 1, capacity)
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def trim(self, n: int) -> None:
+        if n < 0 or n > self.length:
+            raise ValueError(f"cannot trim {n} positions from a cache of {self.length}")
+        self.kv.length -= n
+
+    def crop_to(self, length: int) -> None:
+        self.trim(self.length - length)

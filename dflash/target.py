@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import TargetCache
+from . import static_decoder
+from .cache import StaticTargetCache, TargetCache
 from .config import DFlashConfig
 
 
@@ -30,7 +31,9 @@ class TargetModel:
     """Wraps an HF `*ForCausalLM`: embedding and lm_head for the draft, and forward passes
     that return logits plus the chosen layers' hidden states, on a cache that rolls back."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, static: bool | None = None):
+        """`static`: run Llama-family targets through `static_decoder` on a preallocated KV
+        buffer (same numbers, less per-step work); None = whenever the model supports it."""
         if isinstance(model, TargetModel):
             raise TypeError("already a TargetModel")
         self.model = model.eval()
@@ -41,6 +44,10 @@ class TargetModel:
         self.softcap = getattr(tc, "final_logit_softcapping", None)
         # the decoder stack without the lm_head: verification applies the head lazily
         self.decoder = model.get_decoder()
+        self.static = static_decoder.supports(model) if static is None else static
+        if self.static and not static_decoder.supports(model):
+            raise ValueError(f"the static decoder does not support model_type {model.config.model_type!r} "
+                             f"(it covers {', '.join(static_decoder.FAMILIES)} with full attention)")
         # transformers >= 5.2x names the cache argument `cache` (`past_key_values` before)
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -78,8 +85,8 @@ class TargetModel:
             raise ValueError("a draft vocabulary needs an lm_head without bias")
         return self.head.weight.index_select(0, ids.to(self.head.weight.device)).contiguous()
 
-    def new_cache(self) -> TargetCache:
-        return TargetCache(self.model.config)
+    def new_cache(self) -> TargetCache | StaticTargetCache:
+        return StaticTargetCache(self.model) if self.static else TargetCache(self.model.config)
 
     @torch.inference_mode()
     def forward_hidden(self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None):
@@ -88,6 +95,11 @@ class TargetModel:
         (B, T, k*H) or None."""
         start = cache.length
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]  # (1, T)
+        if isinstance(cache, StaticTargetCache):
+            if ids.shape[0] != 1:
+                raise ValueError("the static target cache holds one sequence")
+            cache.kv.reserve(start + ids.shape[1])
+            return static_decoder.forward(self.model, ids, positions, cache.kv, None, layer_ids)
         out = self.decoder(input_ids=ids, position_ids=positions, use_cache=True,
                            output_hidden_states=bool(layer_ids), **{self._cache_arg: cache.hf})
         hidden = None

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dflash import generate as gen
+from dflash.cache import StaticTargetCache
 from dflash.generate import GenerationError
 from dflash.model import dflash_generate
 from dflash.sampling import SamplingParams
@@ -31,6 +32,27 @@ def test_greedy_equals_hf_generate(family):
         for block_size in (1, 2, 8, 16):
             out = dflash_generate(draft, target, ids, 37, None, 0.0, block_size=block_size)
             assert torch.equal(out, ref), (family, prompt_len, block_size)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_decoder_gives_hf_numbers_and_rolls_back(family):
+    """The static KV buffer path (default for Llama-family targets) returns HF's hidden
+    states and logits, and after a trim the next block sees exactly the kept context."""
+    model = tiny_target(family)
+    static, hf = TargetModel(model), TargetModel(model, static=False)
+    assert static.static and not hf.static
+    assert isinstance(static.new_cache(), StaticTargetCache)
+    caches = StaticTargetCache(model, capacity=8), hf.new_cache()  # 8: the buffer must grow
+    layers = [0, 2, 3]  # 3 is the last layer: HF gives it after the final norm
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    for chunk, trim in ((ids[:, :23], 0), (ids[:, 23:24], 0), (ids[:, 24:40], 9), (ids[:, 31:36], 2)):
+        (a, ha), (b, hb) = static.forward(chunk, caches[0], layers), hf.forward(chunk, caches[1], layers)
+        assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ha, hb, atol=1e-5)
+        for c in caches:
+            c.trim(trim)
+        assert caches[0].length == caches[1].length
+    with pytest.raises(ValueError, match="does not support"):
+        TargetModel(tiny_target("gemma3"), static=True)
 
 
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 17])

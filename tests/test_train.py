@@ -251,22 +251,23 @@ def test_overfit_one_sequence_reaches_block_size_tau():
     assert r.tau >= 6.5, r.acceptance_lengths  # block 8: tau near the block size
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_batched_generator_equals_greedy_generate_row_by_row(kind):
-    """Left padding, rows leaving the batch at their stop token: every row's response equals
-    HF greedy `generate` on that prompt alone, and its features equal a plain forward."""
+@pytest.mark.parametrize("kind,static", [("llama", True), ("llama", False), ("qwen3", None), ("gemma3", None)])
+def test_batched_generator_equals_greedy_generate_row_by_row(kind, static):
+    """Left padding, rows leaving the batch at their stop token (the static buffer waits for
+    a quarter of the rows before it compacts): every row's response equals HF greedy
+    `generate` on that prompt alone, and its features equal a plain forward."""
     from dflash.train.generator import generate_batch
 
     target = tiny_target(kind, seed=3)
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (3, 9, 6, 14)]
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (3, 9, 6, 14, 5, 11, 7, 2)]
     singles = []
     for p in prompts:
         out = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(p):].tolist()
         singles.append(out)
-    stop = sorted({singles[0][4], singles[2][11]})  # two rows stop early, at different steps
-    got = generate_batch(target, prompts, LAYERS, 20, stop_ids=stop, pad_id=0)
+    stop = sorted({singles[0][4], singles[2][11], singles[5][7]})  # rows stop early, at different steps
+    got = generate_batch(target, prompts, LAYERS, 20, stop_ids=stop, pad_id=0, static=static)
     for p, ref, r in zip(prompts, singles, got):
         cut = next((i + 1 for i, t in enumerate(ref) if t in stop), len(ref))
         assert r.response_ids == ref[:cut]
@@ -275,6 +276,13 @@ def test_batched_generator_equals_greedy_generate_row_by_row(kind):
         assert r.features.shape == (len(toks) - 1, 2 * 64)
         assert torch.allclose(r.features.float(), features(target, toks), atol=2e-2)
     assert any(r.finished for r in got) and not all(r.finished for r in got)
+
+
+def test_static_decoder_covers_llama_and_qwen3_only():
+    from dflash import static_decoder
+
+    assert static_decoder.supports(tiny_target("llama")) and static_decoder.supports(tiny_target("qwen3"))
+    assert not static_decoder.supports(tiny_target("gemma3"))  # sliding layers, scaled embeddings: HF's path
 
 
 def test_prefill_labels_replace_tokens_as_targets():

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import static_decoder
+
 
 @dataclass
 class Generated:
@@ -25,16 +27,82 @@ def _cache_kwargs(model, cache) -> dict:
     return {"cache" if "cache" in params else "past_key_values": cache}
 
 
+class _HFSteps:
+    """HF's own forward on a DynamicCache (any model)."""
+
+    def __init__(self, model, mask: torch.Tensor, layer_ids: list[int], max_new_tokens: int):
+        from transformers import DynamicCache
+
+        self.model, self.mask, self.layer_ids = model, mask, layer_ids  # mask: (B, T) long, 0 at padding
+        self.cache = DynamicCache(config=model.config)
+
+    def compact_at(self, batch: int) -> int:
+        return 1  # dropping a row from a DynamicCache is as cheap as its next concatenation
+
+    def prefill(self, ids, positions):
+        return self(ids, positions)
+
+    def __call__(self, ids, positions):
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
+                         output_hidden_states=True, logits_to_keep=1, **_cache_kwargs(self.model, self.cache))
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)  # (A, T+1) for the next token
+        return out.logits[:, -1], torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+
+    def select(self, rows):
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+
+
+class _StaticSteps:
+    """The lean forward of `static_decoder` on a preallocated KV buffer (Llama family)."""
+
+    def __init__(self, model, mask: torch.Tensor, layer_ids: list[int], max_new_tokens: int):
+        b, width = mask.shape
+        self.model, self.layer_ids = model, layer_ids
+        self.kv = static_decoder.KVBuffer(model, b, width + max_new_tokens)
+        self.valid = torch.ones(b, width + max_new_tokens, dtype=torch.bool)  # (B, S) False at padding
+        self.valid[:, :width] = mask.bool()
+        self.head = model.get_output_embeddings()
+
+    def compact_at(self, batch: int) -> int:
+        return max(1, batch // 4)  # a compaction copies the buffer: wait for a quarter of the rows
+
+    def prefill(self, ids, positions):
+        """Each prompt alone, without its padding (most of a padded batch's prefill is
+        padding when lengths vary), its K/V then placed at the row's slots of the buffer."""
+        b, width = ids.shape
+        logits, feats = [], None
+        for i in range(b):
+            n = int(self.valid[i, :width].sum())
+            one = static_decoder.KVBuffer(self.model, 1, n)
+            final, f = static_decoder.forward(self.model, ids[i:i + 1, width - n:], positions[i:i + 1, width - n:],
+                                              one, None, self.layer_ids)  # (1, n, H), (1, n, k*H)
+            self.kv.k[:, i, :, width - n:width], self.kv.v[:, i, :, width - n:width] = one.k[:, 0], one.v[:, 0]
+            if feats is None:
+                feats = f.new_zeros(b, width, f.shape[-1])  # (B, T, k*H)
+            feats[i, width - n:] = f[0]
+            logits.append(self.head(final[0, -1]))
+        self.kv.length = width
+        return torch.stack(logits), feats  # (B, V), (B, T, k*H)
+
+    def __call__(self, ids, positions):
+        end = self.kv.length + ids.shape[1]
+        final, feats = static_decoder.forward(self.model, ids, positions, self.kv, self.valid[:, :end], self.layer_ids)
+        return self.head(final[:, -1]), feats  # (A, V), (A, T, k*H)
+
+    def select(self, rows):
+        self.kv.select(rows)
+        self.valid = self.valid[rows]
+
+
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
                    stop_ids: list[int], pad_id: int, temperature: float = 0.0,
-                   generator: torch.Generator | None = None) -> list[Generated]:
+                   generator: torch.Generator | None = None, static: bool | None = None) -> list[Generated]:
     """Generate for a batch of tokenized prompts. The features of a sequence are the hidden
     states of the tokens the target consumed: all prompt tokens and all response tokens but
-    the last (which was only produced). A row leaves the batch (and its cache) as soon as it
-    emits a stop token, so finished rows cost nothing."""
-    from transformers import DynamicCache
-
+    the last (which was only produced). Finished rows leave the batch (and its cache).
+    `static`: use the lean static-buffer forward (default: when the model supports it)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     b = len(prompts)
@@ -46,39 +114,40 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    cache = DynamicCache(config=model.config)
+    if static is None:
+        static = static_decoder.supports(model)
+    steps = (_StaticSteps if static else _HFSteps)(model, mask, layer_ids, max_new_tokens)
     stop = torch.tensor(stop_ids, dtype=torch.long)
     hidden = model.config.get_text_config().hidden_size
     feats = torch.zeros(b, width + max_new_tokens - 1, len(layer_ids) * hidden, dtype=torch.float16)  # (B, T+N-1, k*H)
     tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long)  # (B, N)
     n_out = torch.full((b,), max_new_tokens)  # (B,) response length of each row
     stopped = torch.zeros(b, dtype=torch.bool)  # (B,) ended by a stop token
-    alive = torch.arange(b)  # (A,) original rows still generating
+    alive = torch.arange(b)  # (A,) original rows still in the batch
+    live = torch.ones(b, dtype=torch.bool)  # (A,) still generating (a finished row waits for a compaction)
     step_ids, step_pos, t = ids, pos, 0
     for s in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True,
-                    output_hidden_states=True, logits_to_keep=1, **_cache_kwargs(model, cache))
-        f = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).half()  # (A, T_step, k*H)
-        feats[alive, t:t + f.shape[1]] = f
+        logits, f = (steps.prefill if s == 0 else steps)(step_ids, step_pos)  # (A, V), (A, T_step, k*H)
+        feats[alive, t:t + f.shape[1]] = f.half()
         t += f.shape[1]
-        logits = out.logits[:, -1].float()  # (A, V)
+        logits = logits.float()
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]  # (A,)
         else:
             nxt = logits.argmax(-1)  # (A,)
-        tokens[alive, s] = nxt
-        keep = ~torch.isin(nxt, stop)  # (A,)
-        n_out[alive[~keep]], stopped[alive[~keep]] = s + 1, True
-        if not bool(keep.any()):
+        tokens[alive[live], s] = nxt[live]
+        ends = live & torch.isin(nxt, stop)  # (A,) rows that stop here
+        n_out[alive[ends]], stopped[alive[ends]] = s + 1, True
+        live &= ~ends
+        if not bool(live.any()):
             break
-        if not bool(keep.all()):  # drop finished rows from the batch and the cache
-            sel = keep.nonzero()[:, 0]
-            cache.batch_select_indices(sel)
-            alive, nxt, mask, step_pos = alive[sel], nxt[sel], mask[sel], step_pos[sel]
+        if int((~live).sum()) >= steps.compact_at(len(live)):  # drop finished rows from the batch and the cache
+            sel = live.nonzero()[:, 0]
+            steps.select(sel)
+            alive, nxt, step_pos, live = alive[sel], nxt[sel], step_pos[sel], live[sel]
         step_ids = nxt[:, None]  # (A, 1)
         step_pos = step_pos[:, -1:] + 1  # (A, 1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)  # (A, T+1)
     results = []
     for i in range(b):
         resp = tokens[i, :n_out[i]].tolist()

@@ -1,0 +1,135 @@
+"""A lean forward over a Llama-family HF model (llama, qwen2, qwen3, mistral without a
+window) on a preallocated KV buffer. It calls the model's own modules in order (norms,
+projections, rotary, MLP), so the numbers are HF's; what it leaves out is the per-step cost
+around them: HF's DynamicCache concatenates every layer's whole K/V at every step (at batch
+64 and a few hundred tokens that copy moves more bytes than the weights), and each call
+rebuilds its masks. The batched data generator uses it; other models take HF's path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def supports(model) -> bool:
+    """True when `model` is a decoder this forward reproduces exactly: a Llama-style stack
+    with full attention in every layer (no sliding window) and the usual module names."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in FAMILIES:
+        return False
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"])):
+        return False
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+        return False
+    base = getattr(model, "model", None)
+    return base is not None and all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+
+class KVBuffer:
+    """K and V of every layer, (L, B, KV, T_max, D) each, written in place; `length` is the
+    number of positions filled (the same for every row: rows are left padded)."""
+
+    def __init__(self, model, batch: int, max_len: int):
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, head_dim)
+        w = model.get_input_embeddings().weight
+        self.k = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.v = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, total: int) -> None:
+        """Make room for `total` positions (doubling, so growing one step at a time stays cheap)."""
+        if total <= self.max_len:
+            return
+        size = max(total, 2 * self.max_len)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], size, old.shape[4])
+            new[:, :, :, :self.length] = old[:, :, :, :self.length]
+            setattr(self, name, new)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v: (B, KV, T, D) at positions length..length+T-1 -> all filled K, V (B, KV, length+T, D)."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (A,) of the batch (a copy of the filled part)."""
+        n = self.length
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], len(rows), *old.shape[2:])
+            new[:, :, :, :n] = old[:, rows, :, :n]
+            setattr(self, name, new)
+
+
+@torch.inference_mode()
+def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key_valid: torch.Tensor | None,
+            layer_ids: list[int] | None):
+    """ids, positions: (B, T) at buffer slots kv.length.. ; key_valid: (B, kv.length+T) bool,
+    False at padding (None: no padding). Returns the final normed hidden states (B, T, H) and
+    the chosen layers' outputs (B, T, k*H) or None. Advances kv.length by T."""
+    base = model.model
+    b, t = ids.shape
+    if kv.length + t > kv.max_len:
+        raise ValueError(f"KV buffer of {kv.max_len} positions cannot take {kv.length + t}")
+    x = base.embed_tokens(ids)  # (B, T, H)
+    cos, sin = base.rotary_emb(x, positions)  # (B, T, D) each
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
+    mask = _mask(t, kv.length, key_valid, ids.device)  # (B, 1, T, S) or (T, S) or None
+    layer_ids = layer_ids or []
+    feats = []
+    for i, layer in enumerate(base.layers):
+        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, mask, kv, i)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i in layer_ids:
+            feats.append(x)
+    kv.length += t
+    final = base.norm(x)  # (B, T, H)
+    if not layer_ids:
+        return final, None
+    by_layer = dict(zip(sorted(set(layer_ids)), feats))
+    by_layer[len(base.layers) - 1] = final  # as HF's hidden_states: the last entry is after the final norm
+    return final, torch.cat([by_layer[i] for i in layer_ids], dim=-1)  # (B, T, H), (B, T, k*H)
+
+
+def _mask(t: int, past: int, key_valid, device):
+    """Query i (at slot past+i) sees slots <= past+i that are not padding."""
+    if key_valid is None:
+        return None if t == 1 else torch.ones(t, past + t, dtype=torch.bool, device=device).tril(past)  # (T, S)
+    causal = torch.ones(t, past + t, dtype=torch.bool, device=device).tril(past)  # (T, S)
+    mask = (causal[None] & key_valid[:, None, :])[:, None]  # (B, 1, T, S)
+    if t > 1:  # a padding query would see no key at all (NaN): let it see its own slot
+        own = torch.zeros(t, past + t, dtype=torch.bool, device=device)  # (T, S)
+        own[torch.arange(t), past + torch.arange(t)] = True
+        mask = mask | own
+    return mask
+
+
+def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int):
+    b, t, _ = h.shape
+    shape = (b, t, -1, attn.head_dim)
+    q = attn.q_proj(h).view(shape).transpose(1, 2)  # (B, NH, T, D)
+    k = attn.k_proj(h).view(shape).transpose(1, 2)  # (B, KV, T, D)
+    v = attn.v_proj(h).view(shape).transpose(1, 2)  # (B, KV, T, D)
+    if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before the rotation
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    keys, values = kv.write(layer, k, v)  # (B, KV, S, D)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                       enable_gqa=q.shape[1] != keys.shape[1])  # (B, NH, T, D)
+    return attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))  # (B, T, H)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
