@@ -110,7 +110,7 @@ def _mask(t: int, past: int, key_valid, device):
     mask = (causal[None] & key_valid[:, None, :])[:, None]  # (B, 1, T, S)
     if t > 1:  # a padding query would see no key at all (NaN): let it see its own slot
         own = torch.zeros(t, past + t, dtype=torch.bool, device=device)  # (T, S)
-        own[torch.arange(t), past + torch.arange(t)] = True
+        own[torch.arange(t, device=device), past + torch.arange(t, device=device)] = True
         mask = mask | own
     return mask
 

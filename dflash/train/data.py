@@ -44,6 +44,7 @@ class DataConfig:
     # "regen": the target writes every response (the paper's recipe); "prefill": existing
     # ShareGPT replies, one target prefill each, labels = the target's own next-token argmax
     source: str = "regen"
+    device: str | None = None  # None: cuda when available, else cpu
 
 
 # ---- prompts --------------------------------------------------------------------------
@@ -175,6 +176,7 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     from ..assets import load_target
 
     model, tok = load_target(cfg.target)
+    model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = load_or_build_prompts(cfg, out)
     stop_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} - {None, tok.unk_token_id})
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
@@ -235,8 +237,9 @@ def _prefill(model, tok, batch, cfg, stop_ids, pad):
     for i, (p, q) in enumerate(seqs):
         x[i, : len(p) + len(q)] = torch.tensor(p + q)
         m[i, : len(p) + len(q)] = 1
-    out = model(input_ids=x, attention_mask=m, output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1] for i in cfg.layer_ids], dim=-1).half()  # (B, T, k*H)
+    dev = model.get_input_embeddings().weight.device
+    out = model(input_ids=x.to(dev), attention_mask=m.to(dev), output_hidden_states=True, use_cache=False)
+    feats = torch.cat([out.hidden_states[i + 1] for i in cfg.layer_ids], dim=-1).half().cpu()  # (B, T, k*H)
     pred = out.logits.argmax(-1)  # (B, T): the target's token after each position
     res = []
     for i, (p, q) in enumerate(seqs):

@@ -60,7 +60,7 @@ class _StaticSteps:
         b, width = mask.shape
         self.model, self.layer_ids = model, layer_ids
         self.kv = static_decoder.KVBuffer(model, b, width + max_new_tokens)
-        self.valid = torch.ones(b, width + max_new_tokens, dtype=torch.bool)  # (B, S) False at padding
+        self.valid = torch.ones(b, width + max_new_tokens, dtype=torch.bool, device=mask.device)  # (B, S) False at padding
         self.valid[:, :width] = mask.bool()
         self.head = model.get_output_embeddings()
 
@@ -105,7 +105,7 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
     `static`: use the lean static-buffer forward (default: when the model supports it)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    b = len(prompts)
+    b, dev = len(prompts), model.get_input_embeddings().weight.device
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     ids = torch.full((b, width), pad_id, dtype=torch.long)  # (B, T) left padded
@@ -113,18 +113,20 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
     if static is None:
         static = static_decoder.supports(model)
     steps = (_StaticSteps if static else _HFSteps)(model, mask, layer_ids, max_new_tokens)
-    stop = torch.tensor(stop_ids, dtype=torch.long)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=dev)
     hidden = model.config.get_text_config().hidden_size
-    feats = torch.zeros(b, width + max_new_tokens - 1, len(layer_ids) * hidden, dtype=torch.float16)  # (B, T+N-1, k*H)
-    tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long)  # (B, N)
-    n_out = torch.full((b,), max_new_tokens)  # (B,) response length of each row
-    stopped = torch.zeros(b, dtype=torch.bool)  # (B,) ended by a stop token
-    alive = torch.arange(b)  # (A,) original rows still in the batch
-    live = torch.ones(b, dtype=torch.bool)  # (A,) still generating (a finished row waits for a compaction)
+    feats = torch.zeros(b, width + max_new_tokens - 1, len(layer_ids) * hidden, dtype=torch.float16,
+                        device=dev)  # (B, T+N-1, k*H)
+    tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=dev)  # (B, N)
+    n_out = torch.full((b,), max_new_tokens, device=dev)  # (B,) response length of each row
+    stopped = torch.zeros(b, dtype=torch.bool, device=dev)  # (B,) ended by a stop token
+    alive = torch.arange(b, device=dev)  # (A,) original rows still in the batch
+    live = torch.ones(b, dtype=torch.bool, device=dev)  # (A,) still generating (a finished row waits for a compaction)
     step_ids, step_pos, t = ids, pos, 0
     for s in range(max_new_tokens):
         logits, f = (steps.prefill if s == 0 else steps)(step_ids, step_pos)  # (A, V), (A, T_step, k*H)
@@ -148,7 +150,7 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
             alive, nxt, step_pos, live = alive[sel], nxt[sel], step_pos[sel], live[sel]
         step_ids = nxt[:, None]  # (A, 1)
         step_pos = step_pos[:, -1:] + 1  # (A, 1)
-    results = []
+    results, tokens, n_out, stopped, feats = [], tokens.cpu(), n_out.cpu(), stopped.cpu(), feats.cpu()
     for i in range(b):
         resp = tokens[i, :n_out[i]].tolist()
         n_in = lengths[i] + len(resp) - 1  # tokens the target consumed for this row
