@@ -72,7 +72,7 @@ class LiveView:
 
 
 def chat_loop(pipe, settings: GenSettings, read: Callable[[str], str] = input, view=None, out: TextIO = sys.stdout,
-              system: str | None = None, block_size: int | None = None) -> list[dict]:
+              system: str | None = None, block_size: int | None = None, draft_threshold: float = 0.0) -> list[dict]:
     """Read user lines until /exit or EOF; answer each one. Returns the conversation."""
     view = view or PlainView(out)
     base = [{"role": "system", "content": system}] if system else []
@@ -103,7 +103,7 @@ def chat_loop(pipe, settings: GenSettings, read: Callable[[str], str] = input, v
             continue
         room = min(settings.max_tokens, context - ids.shape[1])
         answer = _answer(pipe, ids, GenSettings(room, settings.temperature, settings.top_p, settings.top_k,
-                                                settings.seed, settings.stop), view, block_size)
+                                                settings.seed, settings.stop), view, block_size, draft_threshold)
         messages.append({"role": "assistant", "content": answer})
     return messages
 
@@ -119,10 +119,11 @@ def _fit_context(pipe, messages: list[dict], base: list[dict], context: int):
         del messages[len(base):len(base) + 2]  # the oldest user turn and its answer
 
 
-def _answer(pipe, ids, settings: GenSettings, view, block_size) -> str:
+def _answer(pipe, ids, settings: GenSettings, view, block_size, draft_threshold: float = 0.0) -> str:
     parts: list[str] = []
     view.begin()
-    events = generate_text(pipe, ids, settings, pipe.stop_token_ids, block_size=block_size)
+    events = generate_text(pipe, ids, settings, pipe.stop_token_ids, block_size=block_size,
+                           draft_threshold=draft_threshold)
     done, last = None, None
     try:
         for ev in events:
@@ -154,5 +155,6 @@ def run_chat(args) -> int:
         view = LiveView(Console())
     note = "" if pipe.draft_trained else " (untrained random draft: expect tau ~1)"
     print(f"dflash chat{note}. {HELP}", file=sys.stderr)
-    chat_loop(pipe, settings, view=view, system=args.system, block_size=args.block_size)
+    chat_loop(pipe, settings, view=view, system=args.system, block_size=args.block_size,
+              draft_threshold=args.draft_threshold)
     return 0

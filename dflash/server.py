@@ -31,6 +31,7 @@ class ServerOptions:
     max_queue: int = 64  # requests waiting for the worker; beyond it: 503
     max_model_len: int | None = None  # context (prompt + completion); default: the target's
     block_size: int | None = None  # default: the draft's
+    draft_threshold: float = 0.0  # verify only the leading proposals the draft gives at least this probability
     shutdown_grace: float = 30.0
     log_level: str = "warning"
 
@@ -51,9 +52,11 @@ def build_server(pipe, options: ServerOptions, start_worker: bool = True) -> DFl
     if options.max_model_len is not None and options.max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {options.max_model_len}")
     max_len = min(options.max_model_len or pipe.target.info.max_positions, pipe.target.info.max_positions)
+    if not 0.0 <= options.draft_threshold <= 1.0:
+        raise ValueError(f"--draft-threshold must be a probability in [0, 1], got {options.draft_threshold}")
     block = options.block_size or (pipe.draft.config.block_size if pipe.draft is not None else 1)
     metrics = Metrics(num_positions=max(block - 1, 0))
-    worker = Worker(pipe, options.max_queue, metrics, options.block_size)
+    worker = Worker(pipe, options.max_queue, metrics, options.block_size, draft_threshold=options.draft_threshold)
     state = ServerState(pipe, worker, metrics, options.model_name, max_len, options.api_key or None)
     config = uvicorn.Config(create_app(state), host=options.host, port=options.port, log_level=options.log_level,
                             timeout_graceful_shutdown=int(options.shutdown_grace) + 5, access_log=False)
@@ -84,6 +87,8 @@ def add_serve(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 (default 64)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit, prompt + completion")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
+    p.add_argument("--draft-threshold", type=float, default=0.0,
+                   help="verify only the leading proposals the draft gives at least this probability (default 0: all)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -97,6 +102,7 @@ def add_serve(sub) -> None:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--block-size", type=int, default=None)
+    c.add_argument("--draft-threshold", type=float, default=0.0)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--plain", action="store_true", help="no live status line (the default when not a terminal)")
     _add_threads(c)
@@ -136,7 +142,7 @@ def run_serve(args) -> int:
     pipe = Pipeline.load(args.target, args.draft)
     name = args.model_name or _default_name(args.target)
     options = ServerOptions(args.host, args.port, api_key, name, args.max_queue, args.max_model_len,
-                            args.block_size, args.shutdown_grace, args.log_level)
+                            args.block_size, args.draft_threshold, args.shutdown_grace, args.log_level)
     server = build_server(pipe, options)
     print(f"dflash: serving '{name}' on http://{args.host}:{args.port}/v1 "
           f"(draft: {pipe.draft_path or 'random, untrained'}; API key {'required' if api_key else 'off'})",

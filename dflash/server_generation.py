@@ -98,7 +98,7 @@ def make_generator(settings: GenSettings) -> torch.Generator | None:
 
 def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_token_ids,
                   cancelled: Callable[[], bool] = lambda: False, block_size: int | None = None,
-                  tokenizer_lock=None) -> Iterator[Delta | Done]:
+                  tokenizer_lock=None, draft_threshold: float = 0.0) -> Iterator[Delta | Done]:
     """Run the speculative loop; yield a Delta per step and one Done at the end. `cancelled`
     is checked between steps: when it turns true the generation ends with "abort".
     `tokenizer_lock` (a threading.Lock) is held around decoding when other threads share
@@ -108,7 +108,7 @@ def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_tok
     start = time.perf_counter()
     ttft, n_tokens, finish = 0.0, 0, "length"
     steps = stream_generate(pipe.draft, pipe.target, input_ids, settings.max_tokens, stop_token_ids, params,
-                            block_size, None, make_generator(settings))
+                            block_size, None, make_generator(settings), draft_threshold=draft_threshold)
     try:
         for step in steps:
             if n_tokens == 0:

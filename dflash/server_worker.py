@@ -56,11 +56,12 @@ class Job:
 
 class Worker:
     def __init__(self, pipe, max_queue: int = 64, metrics: Metrics | None = None, block_size: int | None = None,
-                 tokenizer_lock: threading.Lock | None = None):
+                 tokenizer_lock: threading.Lock | None = None, draft_threshold: float = 0.0):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.pipe = pipe
         self.block_size = block_size
+        self.draft_threshold = draft_threshold
         self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the threads that encode
         self.max_queue = max_queue
         self.metrics = metrics
@@ -151,7 +152,8 @@ class Worker:
             return
         try:
             for event in generate_text(self.pipe, job.input_ids, job.settings, self._stop_ids,
-                                       lambda: job.cancelled, self.block_size, self.tokenizer_lock):
+                                       lambda: job.cancelled, self.block_size, self.tokenizer_lock,
+                                       self.draft_threshold):
                 if isinstance(event, Done):
                     self._finish(job, event, started)
                 else:

@@ -362,3 +362,17 @@ def test_shutdown_past_the_grace_ends_requests_cleanly(slow_pipe):
         list(stream)
     s.thread.join(20)
     assert not s.thread.is_alive()
+
+
+def test_draft_threshold_is_served_exactly(pipe):
+    """--draft-threshold 1 verifies no proposal at all (plain decoding through the loop); the
+    text still equals offline greedy. A threshold outside [0, 1] is refused at start."""
+    with LiveServer(pipe, model_name=MODEL, draft_threshold=1.0) as s:
+        out = client(s.url).completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30,
+                                               temperature=0)
+        assert out.choices[0].text == offline_text(pipe, "the quick brown fox", 30)
+        assert out.usage.spec_decode["num_draft_tokens"] == 0
+    from dflash.server import ServerOptions, build_server
+
+    with pytest.raises(ValueError, match="draft-threshold"):
+        build_server(pipe, ServerOptions(draft_threshold=1.5), start_worker=False)
