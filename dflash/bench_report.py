@@ -149,11 +149,14 @@ def profile_markdown(result: dict) -> str:
     lines[-len(result["steps"]) - 2] += "  (overhead check, plain)"
     lines[-len(result["steps"]) - 1] += "  (overhead check, random draft)"
     curve = result["target_curve"]
-    lines += ["", "Target forward, median ms for n query tokens (columns) after a context of c tokens (rows), "
-              "and the ratio to n = 1:", "",
+    lines += ["", "Verify pass, median ms for n query tokens (columns) after a context of c tokens (rows), and the "
+              "ratio to n = 1: the target's layers plus its lm_head on row 0 (a step whose proposal 1 is rejected); "
+              "below each, the lm_head on the other n - 1 rows, paid when proposal 1 is accepted:", "",
               "| context | " + " | ".join(str(n) for n in curve["ns"]) + " |", "|---|" + "---|" * len(curve["ns"])]
     for row in curve["rows"]:
         lines.append(f"| {row['context']} | " + " | ".join(f"{m:.0f} ({m / row['ms'][0]:.2f}x)" for m in row["ms"]) + " |")
+        if "rest_head_ms" in row:
+            lines.append(f"| + rows 2..n | " + " | ".join(f"{m:.0f}" for m in row["rest_head_ms"]) + " |")
     d = result["draft_curve"]
     lines += ["", f"Draft step ({d['draft_layers']} layers, context {d['context']}; lm_head and argmax included), "
               "median ms per block size:", "", "| block | " + " | ".join(str(b) for b in d["blocks"]) + " |",
@@ -204,6 +207,7 @@ def markdown_block_choice(summaries: list[Summary], profile: dict, context: int 
     curve = profile["target_curve"]
     row = min(curve["rows"], key=lambda r: abs(r["context"] - context))
     target_ms = dict(zip(curve["ns"], row["ms"]))
+    rest_ms = dict(zip(curve["ns"], row.get("rest_head_ms", [0.0] * len(curve["ns"]))))
     draft_ms = dict(zip(profile["draft_curve"]["blocks"], profile["draft_curve"]["ms"]))
     blocks = [b for b in curve["ns"] if b == 1 or b in draft_ms]
     best: dict[str, Summary] = {}
@@ -219,7 +223,8 @@ def markdown_block_choice(summaries: list[Summary], profile: dict, context: int 
     for ds, s in best.items():
         cells = []
         for b in blocks:
-            sp = predicted_speedup(s.position_acceptance, b, target_ms, draft_ms) if b <= len(s.position_acceptance) + 1 else None
+            sp = (predicted_speedup(s.position_acceptance, b, target_ms, draft_ms, rest_ms)
+                  if b <= len(s.position_acceptance) + 1 else None)
             cells.append("-" if sp is None else f"{sp:.2f}x (tau {expected_commits(s.position_acceptance, b):.2f})")
         lines.append(f"| {ds} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

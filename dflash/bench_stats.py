@@ -149,9 +149,12 @@ def expected_commits(rates: list[float | None], block_size: int) -> float:
 
 
 def predicted_speedup(rates: list[float | None], block_size: int, target_ms: dict[int, float],
-                      draft_ms: dict[int, float]) -> float | None:
-    """tau(B) * T_target(1) / (T_target(B) + T_draft(B)), host work left out."""
+                      draft_ms: dict[int, float], rest_head_ms: dict[int, float] | None = None) -> float | None:
+    """tau(B) * T_target(1) / (T_target(B) + P(proposal 1 accepted) * T_rest_head(B) + T_draft(B)),
+    host work left out: the verify pass's lm_head covers rows 2..B only when proposal 1 is accepted."""
     if block_size not in target_ms or (block_size > 1 and block_size not in draft_ms):
         return None
-    step = target_ms[block_size] + (draft_ms.get(block_size, 0.0) if block_size > 1 else 0.0)
+    step = target_ms[block_size]
+    if block_size > 1:
+        step += draft_ms[block_size] + (rates[0] or 0.0) * (rest_head_ms or {}).get(block_size, 0.0)
     return expected_commits(rates, block_size) * target_ms[1] / step

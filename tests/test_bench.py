@@ -165,6 +165,8 @@ def test_block_choice_from_acceptance_and_cost_curve():
     assert predicted_speedup(rates, 4, target_ms, draft_ms) == pytest.approx(2.8 * 10 / 20)
     assert predicted_speedup(rates, 1, target_ms, draft_ms) == pytest.approx(1.0)
     assert predicted_speedup(rates, 2, target_ms, draft_ms) is None  # no cost measured at 2
+    # the other rows' lm_head (5 ms at block 4) is paid in the 80% of steps that accept proposal 1
+    assert predicted_speedup(rates, 4, target_ms, draft_ms, {4: 5.0}) == pytest.approx(2.8 * 10 / 24)
     s = Summary("code", "dflash-b8", 1, 10, 2.0, [], rates, 1.0, 1.0, 1.0, 1.0, 1.0)
     profile = {"target_curve": {"ns": [1, 4, 8], "rows": [{"context": 512, "ms": [10.0, 15.0, 20.0]}]},
                "draft_curve": {"blocks": [4, 8], "ms": [5.0, 6.0]}}

@@ -42,6 +42,7 @@ def test_overhead_curves_and_report(models, tmp_path):
     curve = bp.target_cost_curve(target, (1, 4, 8), (16, 32), repeats=1)
     assert curve["ns"] == [1, 4, 8] and [r["context"] for r in curve["rows"]] == [16, 32]
     assert all(len(r["ms"]) == 3 and min(r["ms"]) > 0 for r in curve["rows"])
+    assert all(r["rest_head_ms"][0] < r["rest_head_ms"][2] for r in curve["rows"])  # n=1 has no other rows
     d = bp.draft_cost_curve(draft, target, (2, 4, 8), context=16, repeats=1)
     assert len(d["ms"]) == 3 and d["draft_layers"] == 2
     h = bp.head_cost(target, 7, (None, 32), repeats=1)
