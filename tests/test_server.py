@@ -276,9 +276,9 @@ class SlowTarget(TargetModel):
         super().__init__(model)
         self.delay = delay
 
-    def forward(self, *args, **kwargs):
+    def forward_hidden(self, *args, **kwargs):  # every target pass (prefill and verify) goes through it
         time.sleep(self.delay)
-        return super().forward(*args, **kwargs)
+        return super().forward_hidden(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
