@@ -49,7 +49,19 @@ class DraftCache:
         self.trim(self.length - length)
 
 
-class TargetCache:
+class _TargetRollback:
+    """`trim(n)` / `crop_to(length)` for the target caches below; each drops positions its way."""
+
+    def trim(self, n: int) -> None:
+        if n < 0 or n > self.length:
+            raise ValueError(f"cannot trim {n} positions from a cache of {self.length}")
+        self._drop(n)
+
+    def crop_to(self, length: int) -> None:
+        self.trim(self.length - length)
+
+
+class TargetCache(_TargetRollback):
     """The target's HF DynamicCache, built so it can roll back: sliding-window layers keep
     their past until `trim` (transformers' past recording), then shrink to the window."""
 
@@ -61,16 +73,11 @@ class TargetCache:
     def length(self) -> int:
         return self.hf.get_seq_length()
 
-    def trim(self, n: int) -> None:
-        if n < 0 or n > self.length:
-            raise ValueError(f"cannot trim {n} positions from a cache of {self.length}")
+    def _drop(self, n: int) -> None:
         self.hf.crop(-n)  # crop(0) still shrinks sliding layers back to their window
 
-    def crop_to(self, length: int) -> None:
-        self.trim(self.length - length)
 
-
-class StaticTargetCache:
+class StaticTargetCache(_TargetRollback):
     """The target's K/V in static_decoder's preallocated buffer (Llama-family targets):
     appending writes in place and `trim` only moves the length back."""
 
@@ -83,10 +90,5 @@ class StaticTargetCache:
     def length(self) -> int:
         return self.kv.length
 
-    def trim(self, n: int) -> None:
-        if n < 0 or n > self.length:
-            raise ValueError(f"cannot trim {n} positions from a cache of {self.length}")
+    def _drop(self, n: int) -> None:
         self.kv.length -= n
-
-    def crop_to(self, length: int) -> None:
-        self.trim(self.length - length)

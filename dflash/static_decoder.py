@@ -46,14 +46,8 @@ class KVBuffer:
 
     def reserve(self, total: int) -> None:
         """Make room for `total` positions (doubling, so growing one step at a time stays cheap)."""
-        if total <= self.max_len:
-            return
-        size = max(total, 2 * self.max_len)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], size, old.shape[4])
-            new[:, :, :, :self.length] = old[:, :, :, :self.length]
-            setattr(self, name, new)
+        if total > self.max_len:
+            self._reallocate(None, max(total, 2 * self.max_len))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """k, v: (B, KV, T, D) at positions length..length+T-1 -> all filled K, V (B, KV, length+T, D)."""
@@ -64,11 +58,15 @@ class KVBuffer:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (A,) of the batch (a copy of the filled part)."""
-        n = self.length
+        self._reallocate(rows, self.max_len)
+
+    def _reallocate(self, rows: torch.Tensor | None, size: int) -> None:
+        """New buffers of `size` positions holding the filled part of `rows` (None: all)."""
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], len(rows), *old.shape[2:])
-            new[:, :, :, :n] = old[:, rows, :, :n]
+            filled = old[:, :, :, :self.length] if rows is None else old[:, rows, :, :self.length]
+            new = old.new_zeros(old.shape[0], filled.shape[1], old.shape[2], size, old.shape[4])
+            new[:, :, :, :self.length] = filled
             setattr(self, name, new)
 
 

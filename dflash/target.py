@@ -107,12 +107,12 @@ class TargetModel:
             hidden = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (B, T, k*H)
         return out.last_hidden_state, hidden
 
+    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None,
                 logits_to_keep: int = 0):
         """As `forward_hidden`, with the logits (B, T or logits_to_keep, V) of the last rows."""
         final, hidden = self.forward_hidden(ids, cache, layer_ids)
-        with torch.inference_mode():
-            return self.logits(final[:, -logits_to_keep:]), hidden
+        return self.logits(final[:, -logits_to_keep:]), hidden
 
 
 def as_target(target) -> TargetModel:

@@ -72,8 +72,7 @@ class _StaticSteps:
         padding when lengths vary), its K/V then placed at the row's slots of the buffer."""
         b, width = ids.shape
         logits, feats = [], None
-        for i in range(b):
-            n = int(self.valid[i, :width].sum())
+        for i, n in enumerate(self.valid[:, :width].sum(-1).tolist()):  # n: the row's prompt length
             one = static_decoder.KVBuffer(self.model, 1, n)
             final, f = static_decoder.forward(self.model, ids[i:i + 1, width - n:], positions[i:i + 1, width - n:],
                                               one, None, self.layer_ids)  # (1, n, H), (1, n, k*H)
