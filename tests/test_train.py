@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash.draft import DFlashDraftModel
 from dflash.target import TargetModel
 from dflash.train.blocks import (IGNORE, anchor_bounds, build_batch, chunked_loss_backward, draft_hidden,
                                  loss_weights, sample_anchors)
@@ -278,6 +279,54 @@ def test_batched_generator_equals_greedy_generate_row_by_row(kind, static):
     assert any(r.finished for r in got) and not all(r.finished for r in got)
 
 
+@pytest.mark.parametrize("kind,static", [("llama", True), ("llama", False), ("gemma3", None)])
+def test_prefill_features_rebuild_what_the_generator_captured(kind, static):
+    """Stored responses give back their features by one prefill each, as the generator had them."""
+    from dflash.train.generator import generate_batch, prefill_features
+
+    target = tiny_target(kind, seed=3)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (4, 12, 7)]
+    got = generate_batch(target, prompts, LAYERS, 15, stop_ids=[], pad_id=0, static=static)
+    rebuilt = prefill_features(target, [r.prompt_ids + r.response_ids for r in got], LAYERS, static=static)
+    for r, f in zip(got, rebuilt):
+        assert f.dtype == torch.float16 and f.shape == r.features.shape
+        assert torch.allclose(f.float(), r.features.float(), atol=2e-2)
+
+
+def test_stored_responses_rebuild_a_shard_and_refuse_a_different_run(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from dflash.train.data import DataConfig, _rebuild_shard, _stored_shard, write_shard
+    from dflash.train.generator import generate_batch
+
+    target = tiny_target("llama", seed=3)
+    cfg = DataConfig(out=str(tmp_path / "new"), responses=str(tmp_path / "kept"), layer_ids=LAYERS)
+    chunk = [{"id": f"p{i}", "dataset": "math", "content": "x"} for i in range(3)]
+    gen = generate_batch(target, [[1, 2, 3], [4, 5], [6, 7, 8, 9]], LAYERS, 6, stop_ids=[], pad_id=0)
+    rows, offset = [], 0
+    for c, r in zip(chunk, gen):
+        rows.append({"id": c["id"], "dataset": "math", "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
+                     "finished": r.finished, "offset": offset})
+        offset += r.features.shape[0]
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "data_config.json").write_text(json.dumps(asdict(cfg)))
+    write_shard(kept, 2, rows, [r.features for r in gen])
+    (kept / "shard-00002.feat.npy").unlink()  # only the responses are kept
+    assert _stored_shard(cfg, 1, chunk) is None  # not kept: regenerate
+    stored = _stored_shard(cfg, 2, chunk)
+    new_rows, feats = _rebuild_shard(target, stored, LAYERS)
+    assert new_rows == rows
+    for f, r in zip(feats, gen):
+        assert torch.allclose(f.float(), r.features.float(), atol=2e-2)
+    with pytest.raises(DataError, match="not this run's shard 2"):
+        _stored_shard(cfg, 2, chunk[1:])
+    with pytest.raises(DataError, match="max_new_tokens=192, this run has 50"):
+        _stored_shard(replace(cfg, max_new_tokens=50), 2, chunk)
+
+
 def test_static_decoder_covers_llama_and_qwen3_only():
     from dflash import static_decoder
 
@@ -344,6 +393,30 @@ def test_draft_vocab_loss_is_the_softmax_of_the_proposing_head():
     assert set(props.tolist()) <= set(vocab)
     with pytest.raises(ValueError, match="needs draft_vocab"):
         Trainer(fit_cfg(loss_vocab="draft"), target, seqs, MASK, LAYERS)
+
+
+def test_a_warm_start_is_scored_at_step_0_and_kept_unless_beaten(tmp_path):
+    """A warm start logs its starting draft's held-out score as step 0 and keeps that draft as
+    `best`, so a run whose training never beats its start ships the start."""
+    import json
+
+    from dflash.train.evaluate import Evaluator
+    from dflash.train.fit import _score_warm_start
+
+    target = tiny_target("llama")
+    seqs = make_seqs(target, n=12)  # ids s8-s11 fall in a held-out fraction of 0.5
+    t = Trainer(fit_cfg(heldout_frac=0.5), target, seqs, MASK, LAYERS)
+    assert t.heldout
+    metrics = tmp_path / "metrics.jsonl"
+    best = _score_warm_start(t, Evaluator(t, None), tmp_path, metrics, float("-inf"), lambda s: None)
+    (row,) = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert row["step"] == 0 and row["tokens"] == 0 and best == row["heldout_block_tau"] >= 1.0
+    assert json.loads((tmp_path / "best.json").read_text())["score"] == best
+    saved = DFlashDraftModel.from_pretrained(tmp_path / "best").state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in t.draft.state_dict().items())
+    (tmp_path / "best.json").unlink()
+    assert _score_warm_start(t, Evaluator(t, None), tmp_path, metrics, best + 1, lambda s: None) == best + 1
+    assert not (tmp_path / "best.json").exists()  # an earlier, better score stays best
 
 
 def test_a_data_folder_from_before_a_new_setting_continues(tmp_path):

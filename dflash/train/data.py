@@ -41,6 +41,10 @@ class DataConfig:
     threads: int = 1
     seed: int = 0
     max_shards: int | None = None  # stop after this many shards exist (None: all)
+    first_shard: int = 0  # generate only shards from this index on (a later part of the prompt list)
+    # a folder of shard-N.jsonl kept from an earlier run (e.g. committed): those shards are
+    # rebuilt by one target prefill per sequence instead of being regenerated
+    responses: str | None = None
     # "regen": the target writes every response (the paper's recipe); "prefill": existing
     # ShareGPT replies, one target prefill each, labels = the target's own next-token argmax
     source: str = "regen"
@@ -184,34 +188,20 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     if cfg.max_shards is not None:
         n_shards = min(n_shards, cfg.max_shards)
     done = set(finished_shards(out))
-    todo = [i for i in range(n_shards) if i not in done]
+    if not 0 <= cfg.first_shard < n_shards:
+        raise DataError(f"--first-shard {cfg.first_shard} is outside the {n_shards} shards of {len(rows)} prompts")
+    todo = [i for i in range(cfg.first_shard, n_shards) if i not in done]
     log(f"data: {len(rows)} prompts, {n_shards} shards, {len(done)} done, {len(todo)} to go -> {out}")
     gen = torch.Generator().manual_seed(cfg.seed)
     start, new_tokens, cpu0 = time.time(), 0, time.process_time()
     for j, index in enumerate(todo):
         chunk = rows[index * cfg.shard_size:(index + 1) * cfg.shard_size]
-        enc = []
-        for r in chunk:
-            ids = tok.apply_chat_template([{"role": "user", "content": r["content"]}], tokenize=False, add_generation_prompt=True)
-            ids = tok(ids, add_special_tokens=False).input_ids
-            if len(ids) <= cfg.max_prompt_tokens:
-                enc.append((r, ids))
-        enc.sort(key=lambda x: len(x[1]))
-        out_rows, feats, offset = [], [], 0
-        for b in range(0, len(enc), cfg.batch_size):
-            batch = enc[b:b + cfg.batch_size]
-            if cfg.source == "prefill":
-                results = _prefill(model, tok, batch, cfg, stop_ids, pad)
-            else:
-                results = _generate(model, [ids for _, ids in batch], cfg, stop_ids, pad, gen)
-            for (r, _), g in zip(batch, results):
-                out_rows.append({"id": r["id"], "dataset": r["dataset"], "prompt_ids": g.prompt_ids,
-                                 "response_ids": g.response_ids, "finished": g.finished, "offset": offset})
-                if g.label_ids is not None:
-                    out_rows[-1]["label_ids"] = g.label_ids
-                feats.append(g.features)
-                offset += g.features.shape[0]
-                new_tokens += len(g.response_ids)
+        stored = _stored_shard(cfg, index, chunk)
+        if stored is not None:
+            out_rows, feats = _rebuild_shard(model, stored, cfg.layer_ids)
+        else:
+            out_rows, feats = _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen)
+        new_tokens += sum(len(r["response_ids"]) for r in out_rows)
         write_shard(out, index, out_rows, feats)
         el = time.time() - start
         rate = new_tokens / max(el, 1e-9)
@@ -219,6 +209,77 @@ def run_data(cfg: DataConfig, log=print) -> Path:
             f"{new_tokens} new tokens  {rate:.1f} tok/s  cpu {time.process_time() - cpu0:.0f}s  "
             f"elapsed {_eta(el)}  ETA {_eta(el / (j + 1) * (len(todo) - j - 1))}")
     return out
+
+
+def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen) -> tuple[list[dict], list[torch.Tensor]]:
+    """Responses for one shard's prompts, written by the target (or, for the prefill source,
+    labelled by it), and the features of every token it consumed."""
+    enc = []
+    for r in chunk:
+        ids = tok.apply_chat_template([{"role": "user", "content": r["content"]}], tokenize=False, add_generation_prompt=True)
+        ids = tok(ids, add_special_tokens=False).input_ids
+        if len(ids) <= cfg.max_prompt_tokens:
+            enc.append((r, ids))
+    enc.sort(key=lambda x: len(x[1]))
+    out_rows, feats, offset = [], [], 0
+    for b in range(0, len(enc), cfg.batch_size):
+        batch = enc[b:b + cfg.batch_size]
+        if cfg.source == "prefill":
+            results = _prefill(model, tok, batch, cfg, stop_ids, pad)
+        else:
+            results = _generate(model, [ids for _, ids in batch], cfg, stop_ids, pad, gen)
+        for (r, _), g in zip(batch, results):
+            out_rows.append({"id": r["id"], "dataset": r["dataset"], "prompt_ids": g.prompt_ids,
+                             "response_ids": g.response_ids, "finished": g.finished, "offset": offset})
+            if g.label_ids is not None:
+                out_rows[-1]["label_ids"] = g.label_ids
+            feats.append(g.features)
+            offset += g.features.shape[0]
+    return out_rows, feats
+
+
+# ---- stored responses -------------------------------------------------------------------
+
+RESPONSE_KEYS = ("max_new_tokens", "temperature", "target", "shard_size", "source", "max_prompt_tokens")
+
+
+def _stored_shard(cfg: DataConfig, index: int, chunk: list[dict]) -> list[dict] | None:
+    """The rows of shard `index` in the `--responses` folder (responses written earlier and
+    kept, e.g. committed), or None. The folder's data_config.json must agree with `cfg` on
+    everything that shapes a response, and its rows must be this shard's prompts."""
+    if not cfg.responses:
+        return None
+    folder = Path(cfg.responses)
+    path = folder / f"{shard_name(index)}.jsonl"
+    if not path.exists():
+        return None
+    try:
+        theirs = {**asdict(DataConfig()), **json.loads((folder / "data_config.json").read_text())}
+    except (OSError, ValueError) as e:
+        raise DataError(f"--responses {folder}: cannot read its data_config.json ({e})") from None
+    for key in RESPONSE_KEYS:
+        if theirs[key] != asdict(cfg)[key]:
+            raise DataError(f"--responses {folder} was written with {key}={theirs[key]!r}, this run has "
+                            f"{asdict(cfg)[key]!r}")
+    stored = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    ids = {r["id"] for r in chunk}
+    strangers = [r["id"] for r in stored if r["id"] not in ids]
+    if strangers:
+        raise DataError(f"{path} holds prompts that are not this run's shard {index}: {strangers[:3]} "
+                        "(a different prompt list: same --num-prompts/--mix/--seed?)")
+    return stored
+
+
+def _rebuild_shard(model, stored: list[dict], layer_ids: list[int]) -> tuple[list[dict], list[torch.Tensor]]:
+    """A shard from stored responses: the same rows, the features from one prefill each."""
+    from .generator import prefill_features
+
+    feats = prefill_features(model, [r["prompt_ids"] + r["response_ids"] for r in stored], layer_ids)
+    rows, offset = [], 0
+    for r, f in zip(stored, feats):
+        rows.append({**r, "offset": offset})
+        offset += f.shape[0]
+    return rows, feats
 
 
 @torch.inference_mode()

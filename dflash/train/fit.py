@@ -267,6 +267,8 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     evaluator = Evaluator(trainer, tok) if rank == 0 else None
     best = _best_score(out)
     extra = {"data_shards": used_shards}
+    if rank == 0 and trainer.step == 0 and cfg.init_from:  # a warm start's own score on this held-out split
+        best = _score_warm_start(trainer, evaluator, out, metrics, best, say)
     while trainer.step < trainer.total_steps:
         rec = trainer.train_step()
         s = trainer.step
@@ -293,6 +295,22 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     if rank == 0:
         trainer.draft.save_pretrained(out / "final")
     return trainer.stats
+
+
+def _score_warm_start(trainer: Trainer, evaluator, out: Path, metrics: Path, best: float, say) -> float:
+    """Step 0 of a warm start: the starting draft's held-out score, logged and kept as `best`
+    so that the run ships the start itself unless training beats it."""
+    ev = evaluator.run(tau=False)
+    row = {"kind": "eval", "step": 0, "tokens": 0, "label_positions": 0, "cpu_s": 0.0, "wall_s": 0.0, **ev}
+    say("eval step 0 (warm start): " + " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, float)))
+    with open(metrics, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+    score = ev.get("heldout_block_tau", 0.0)
+    if score > best:
+        trainer.draft.save_pretrained(out / "best")
+        _atomic_text(out / "best.json", json.dumps({"score": score, **row}) + "\n")
+        best = score
+    return best
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -156,3 +156,27 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
         f = feats[i, width - lengths[i]: width - lengths[i] + n_in].clone()  # (n_in, k*H)
         results.append(Generated(prompts[i], resp, f, bool(stopped[i])))
     return results
+
+
+@torch.inference_mode()
+def prefill_features(model, sequences: list[list[int]], layer_ids: list[int],
+                     static: bool | None = None) -> list[torch.Tensor]:
+    """The features `generate_batch` would have captured for sequences it wrote (prompt +
+    response): one target forward per sequence over every token but the last, without
+    padding. Rebuilds a data shard from stored responses at the cost of a prefill."""
+    dev = model.get_input_embeddings().weight.device
+    if static is None:
+        static = static_decoder.supports(model)
+    out = []
+    for seq in sequences:
+        ids = torch.tensor(seq[:-1], device=dev)[None]  # (1, n): the tokens the target consumed
+        pos = torch.arange(ids.shape[1], device=dev)[None]  # (1, n)
+        if static:
+            kv = static_decoder.KVBuffer(model, 1, ids.shape[1])
+            _, f = static_decoder.forward(model, ids, pos, kv, None, layer_ids)  # (1, n, k*H)
+        else:
+            hs = model(input_ids=ids, position_ids=pos, output_hidden_states=True, use_cache=False,
+                       logits_to_keep=1).hidden_states
+            f = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)  # (1, n, k*H)
+        out.append(f[0].half().cpu())
+    return out

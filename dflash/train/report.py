@@ -26,8 +26,8 @@ def plot_runs(runs: list[str], out: str | Path, labels: list[str] | None = None)
         if not rows:
             continue
         name = (labels or [])[i] if labels and i < len(labels) else Path(run).name
-        tok = [r["tokens"] / 1e6 for r in rows]
-        axes[0].plot(tok, [r["loss"] for r in rows], label=name, alpha=0.8)
+        tr = [r for r in rows if "loss" in r]  # a warm start's step-0 evaluation has no loss
+        axes[0].plot([r["tokens"] / 1e6 for r in tr], [r["loss"] for r in tr], label=name, alpha=0.8)
         ev = [r for r in rows if "heldout_block_tau" in r]
         if ev:
             axes[1].plot([r["tokens"] / 1e6 for r in ev], [r["heldout_block_tau"] for r in ev], "-o", ms=3, label=f"{name} held-out")
