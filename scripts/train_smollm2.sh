@@ -6,7 +6,11 @@
 #            1e-3 from the target's layers (the run itself planned 950 steps and was cut to 800 at
 #            step 425 by a resume with --max-steps 800; best held-out at step 750)
 #   stage 2 (session 3, run main3): all 47 shards (3 000 prompts), a 500-step cosine at lr 5e-4
-#            warm-started from stage 1's best; this is the shipped draft
+#            warm-started from stage 1's best
+#   stage 3 (session 4, run main4): 47 new shards (prompts 3 008-5 999 of a 6 000-prompt list, in
+#            their own folder), warm-started from stage 2's best; this is the shipped draft. Its
+#            responses are committed in data/smollm2-b, so this stage rebuilds them by one target
+#            prefill each instead of regenerating them
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +18,8 @@ PY=${PY:-.venv/bin/python}
 DATA=${DATA:-runs/data/smollm2}
 RUN1=${RUN1:-runs/fit/main2}
 RUN2=${RUN2:-runs/fit/main3}
+DATA3=${DATA3:-runs/data/smollm2-b}
+RUN3=${RUN3:-runs/fit/main4}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -25,6 +31,11 @@ $PY -m dflash.cli train data --out "$DATA" --num-prompts 3000 --batch-size 64 --
 # shellcheck disable=SC2086
 $PY -m dflash.cli train fit --data "$DATA" --data-shards 47 --out "$RUN2" --init-from "$RUN1/best" --lr 5e-4 \
     --max-steps 500 $COMMON
-$PY -m dflash.cli train plot "$RUN1" "$RUN2" --labels main2 main3 --out docs/training_curve.png
-$PY -m dflash.cli train ship "$RUN2" --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/main2/best (stage 1)"}'
+$PY -m dflash.cli train data --out "$DATA3" --num-prompts 6000 --first-shard 47 --batch-size 64 --threads "$THREADS" \
+    --responses data/smollm2-b
+# shellcheck disable=SC2086
+$PY -m dflash.cli train fit --data "$DATA3" --out "$RUN3" --init-from "$RUN2/best" --lr 5e-4 --max-steps 800 \
+    $COMMON
+$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" --labels main2 main3 main4 --out docs/training_curve.png
+$PY -m dflash.cli train ship "$RUN3" --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/main3/best (stage 2)"}'
