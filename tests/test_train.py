@@ -134,6 +134,17 @@ def test_block_scores():
 # ---- data --------------------------------------------------------------------------------
 
 @pytest.mark.slow
+def test_a_longer_code_prompt_list_keeps_the_shorter_one_as_its_prefix():
+    """Kept responses (data/smollm2-b) name their prompts by position in the list: growing the
+    task list must not reorder the prompts an earlier, shorter list had."""
+    from dflash.train.code_prompts import MORE_TASKS, TASKS, code_prompts
+
+    short, long = code_prompts(1958), code_prompts(3000)
+    assert long[:1958] == short and len({t for _, t in long}) == len(long)
+    assert not any(task in text for task in MORE_TASKS for _, text in short)  # the new tasks come only after
+    assert any(task in long[2500][1] for task in MORE_TASKS) and not set(TASKS) & set(MORE_TASKS)
+
+
 def test_no_evaluation_prompt_leaks_into_training():
     from dflash import prompts as P
     from dflash.train.data import DataConfig, build_prompts

@@ -43,21 +43,55 @@ STYLES = [
 ]
 
 
-def code_prompts(n: int = 2000, seed: int = 0) -> list[tuple[str, str]]:
-    """(id, user message) pairs, distinct, in a seeded order."""
-    rng = random.Random(seed)
-    combos = [(t, l, s) for t in TASKS for l in sorted(set(LANGUAGES)) for s in STYLES]
+# added in session 4, after the 6 000-prompt lists had used nearly all combinations of TASKS;
+# read only after every TASKS combination, so the earlier lists (and the kept responses of
+# data/smollm2-b) keep their prompts
+MORE_TASKS = [
+    "parse a JSON string and print one of its fields", "write a class for a bank account with deposit and withdraw",
+    "count the lines, words and characters of a file", "find duplicate files in a folder by their hash",
+    "implement a trie with insert and search", "implement a min-heap with push and pop", "implement Dijkstra's shortest path",
+    "do a breadth-first search on a graph given as an adjacency list", "detect a cycle in a directed graph",
+    "compute a topological order of tasks with dependencies", "solve the 0/1 knapsack problem with dynamic programming",
+    "find the longest increasing subsequence", "compute the edit operations between two lists", "implement matrix multiplication",
+    "compute the determinant of a 3x3 matrix", "check whether a string is a valid IPv4 address", "convert a number to words in English",
+    "format a number of seconds as hours, minutes and seconds", "split a list into two halves by a predicate",
+    "zip two lists into a dictionary", "invert a dictionary whose values are unique", "merge two dictionaries summing common keys",
+    "sort a list of dictionaries by a key", "find the longest palindromic substring", "count the set bits of an integer",
+    "compute the Collatz sequence of a number", "generate random passwords of a given length", "shuffle a list with Fisher-Yates",
+    "implement a simple tokenizer for arithmetic expressions", "evaluate an arithmetic expression in reverse Polish notation",
+    "implement a binary search tree with insert and find", "find the lowest common ancestor in a binary tree",
+    "check whether a binary tree is balanced", "print a binary tree level by level", "implement a circular buffer",
+    "retry a function call with exponential backoff", "memoize a recursive function", "read a CSV file and average one column",
+    "write a command-line argument parser for two options", "compute the moving average of a stream of numbers",
+    "find the majority element of a list", "rotate a square matrix by 90 degrees", "spiral-order traverse a matrix",
+    "count the paths in a grid moving right and down", "compute the minimum coins needed for an amount",
+    "check whether a number is an Armstrong number", "convert between hexadecimal strings and integers",
+    "calculate the angle between the hands of a clock", "validate a credit card number with the Luhn algorithm",
+    "implement a simple rate limiter", "merge overlapping intervals", "find the k-th smallest element with quickselect",
+]
+
+
+def _combos(tasks: list[str], rng: random.Random) -> list[tuple[str, str, str]]:
+    combos = [(t, l, s) for t in tasks for l in sorted(set(LANGUAGES)) for s in STYLES]
     rng.shuffle(combos)
+    return combos
+
+
+def code_prompts(n: int = 2000, seed: int = 0) -> list[tuple[str, str]]:
+    """(id, user message) pairs, distinct, in a seeded order: every TASKS combination first,
+    then MORE_TASKS (so a longer list keeps a shorter one as its prefix)."""
     weights = {l: LANGUAGES.count(l) for l in set(LANGUAGES)}
-    # prefer Python: keep every Python combo, sample the others
     out, seen = [], set()
-    for t, l, s in combos:
-        if l != "Python" and rng.random() > weights[l] / 3:
-            continue
-        text = s.format(lang=l, task=t)
-        if text not in seen:
-            seen.add(text)
-            out.append((f"code-{len(out)}", text))
-        if len(out) >= n:
-            break
+    rng, rng_more = random.Random(seed), random.Random(seed + 1)
+    for combos, r in ((_combos(TASKS, rng), rng), (_combos(MORE_TASKS, rng_more), rng_more)):
+        for t, l, s in combos:
+            # prefer Python: keep every Python combo, sample the others
+            if l != "Python" and r.random() > weights[l] / 3:
+                continue
+            text = s.format(lang=l, task=t)
+            if text not in seen:
+                seen.add(text)
+                out.append((f"code-{len(out)}", text))
+            if len(out) >= n:
+                return out
     return out
