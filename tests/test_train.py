@@ -133,7 +133,6 @@ def test_block_scores():
 
 # ---- data --------------------------------------------------------------------------------
 
-@pytest.mark.slow
 def test_a_longer_code_prompt_list_keeps_the_shorter_one_as_its_prefix():
     """Kept responses (data/smollm2-b) name their prompts by position in the list: growing the
     task list must not reorder the prompts an earlier, shorter list had."""
@@ -145,6 +144,7 @@ def test_a_longer_code_prompt_list_keeps_the_shorter_one_as_its_prefix():
     assert any(task in long[2500][1] for task in MORE_TASKS) and not set(TASKS) & set(MORE_TASKS)
 
 
+@pytest.mark.slow
 def test_no_evaluation_prompt_leaks_into_training():
     from dflash import prompts as P
     from dflash.train.data import DataConfig, build_prompts
@@ -309,33 +309,37 @@ def test_stored_responses_rebuild_a_shard_and_refuse_a_different_run(tmp_path):
     import json
     from dataclasses import asdict
 
-    from dflash.train.data import DataConfig, _rebuild_shard, _stored_shard, write_shard
+    from dflash.train.data import (DataConfig, _check_responses, _rebuild_shard, _stored_shard, load_sequences,
+                                   write_shard)
     from dflash.train.generator import generate_batch
 
     target = tiny_target("llama", seed=3)
     cfg = DataConfig(out=str(tmp_path / "new"), responses=str(tmp_path / "kept"), layer_ids=LAYERS)
     chunk = [{"id": f"p{i}", "dataset": "math", "content": "x"} for i in range(3)]
     gen = generate_batch(target, [[1, 2, 3], [4, 5], [6, 7, 8, 9]], LAYERS, 6, stop_ids=[], pad_id=0)
-    rows, offset = [], 0
-    for c, r in zip(chunk, gen):
-        rows.append({"id": c["id"], "dataset": "math", "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
-                     "finished": r.finished, "offset": offset})
-        offset += r.features.shape[0]
+    rows = [{"id": c["id"], "dataset": "math", "prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
+             "finished": r.finished} for c, r in zip(chunk, gen)]
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "data_config.json").write_text(json.dumps(asdict(cfg)))
     write_shard(kept, 2, rows, [r.features for r in gen])
+    assert [r["offset"] for r in rows] == [0, 8, 15]  # feature rows before each: 3+6-1, then 2+6-1
     (kept / "shard-00002.feat.npy").unlink()  # only the responses are kept
+    _check_responses(cfg)
     assert _stored_shard(cfg, 1, chunk) is None  # not kept: regenerate
     stored = _stored_shard(cfg, 2, chunk)
     new_rows, feats = _rebuild_shard(target, stored, LAYERS)
     assert new_rows == rows
-    for f, r in zip(feats, gen):
-        assert torch.allclose(f.float(), r.features.float(), atol=2e-2)
+    new = tmp_path / "new"
+    new.mkdir()
+    write_shard(new, 2, new_rows, feats)
+    for seq, r in zip(load_sequences(new), gen):  # the rebuilt shard reads back as the generated one
+        assert seq.tokens.tolist() == r.prompt_ids + r.response_ids
+        assert torch.allclose(torch.from_numpy(seq.features.astype("float32")), r.features.float(), atol=2e-2)
     with pytest.raises(DataError, match="not this run's shard 2"):
         _stored_shard(cfg, 2, chunk[1:])
-    with pytest.raises(DataError, match="max_new_tokens=192, this run has 50"):
-        _stored_shard(replace(cfg, max_new_tokens=50), 2, chunk)
+    with pytest.raises(DataError, match="written with max_new_tokens=192, now 50"):
+        _check_responses(replace(cfg, max_new_tokens=50))
 
 
 def test_static_decoder_covers_llama_and_qwen3_only():

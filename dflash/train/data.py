@@ -152,6 +152,12 @@ def finished_shards(out: Path) -> list[int]:
 
 
 def write_shard(out: Path, index: int, rows: list[dict], feats: list[torch.Tensor]) -> None:
+    """rows[i] describes the sequence whose features are feats[i]; its `offset` (first row in
+    the shard's feature array) is set here."""
+    offset = 0
+    for r, f in zip(rows, feats):
+        r["offset"] = offset
+        offset += f.shape[0]
     arr = torch.cat(feats).numpy().astype(np.float16) if feats else np.zeros((0, 0), np.float16)  # (N, k*H)
     name = shard_name(index)
     tmp = out / f".{name}.feat.tmp.npy"
@@ -171,11 +177,12 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "data_config.json"
     if cfg_path.exists():
-        old = {**asdict(DataConfig()), **json.loads(cfg_path.read_text())}  # keys added later: their defaults
-        for key in ("layer_ids", "max_new_tokens", "temperature", "target", "shard_size", "source"):
-            if old[key] != asdict(cfg)[key]:
-                raise DataError(f"{out} was started with {key}={old[key]!r}, now {asdict(cfg)[key]!r}: "
-                                "use another --out or the same settings")
+        diff = _difference(_read_config(cfg_path), cfg,
+                           ("layer_ids", "max_new_tokens", "temperature", "target", "shard_size", "source"))
+        if diff:
+            raise DataError(f"{out} was started with {diff}: use another --out or the same settings")
+    if cfg.responses:
+        _check_responses(cfg)
     _atomic_write_text(cfg_path, json.dumps(asdict(cfg), indent=2) + "\n")
     from ..assets import load_target
 
@@ -221,7 +228,7 @@ def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen) -> tuple[list[dict], 
         if len(ids) <= cfg.max_prompt_tokens:
             enc.append((r, ids))
     enc.sort(key=lambda x: len(x[1]))
-    out_rows, feats, offset = [], [], 0
+    out_rows, feats = [], []
     for b in range(0, len(enc), cfg.batch_size):
         batch = enc[b:b + cfg.batch_size]
         if cfg.source == "prefill":
@@ -230,37 +237,48 @@ def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen) -> tuple[list[dict], 
             results = _generate(model, [ids for _, ids in batch], cfg, stop_ids, pad, gen)
         for (r, _), g in zip(batch, results):
             out_rows.append({"id": r["id"], "dataset": r["dataset"], "prompt_ids": g.prompt_ids,
-                             "response_ids": g.response_ids, "finished": g.finished, "offset": offset})
+                             "response_ids": g.response_ids, "finished": g.finished})
             if g.label_ids is not None:
                 out_rows[-1]["label_ids"] = g.label_ids
             feats.append(g.features)
-            offset += g.features.shape[0]
     return out_rows, feats
 
 
 # ---- stored responses -------------------------------------------------------------------
 
+# the settings that shape a response: a folder continued, or responses reused, must share them
 RESPONSE_KEYS = ("max_new_tokens", "temperature", "target", "shard_size", "source", "max_prompt_tokens")
+
+
+def _read_config(path: Path) -> dict:
+    return {**asdict(DataConfig()), **json.loads(path.read_text())}  # keys added later: their defaults
+
+
+def _difference(theirs: dict, cfg: DataConfig, keys: tuple[str, ...]) -> str | None:
+    """'key=theirs, now ours' for the first of `keys` on which the two configs differ."""
+    ours = asdict(cfg)
+    return next((f"{k}={theirs[k]!r}, now {ours[k]!r}" for k in keys if theirs[k] != ours[k]), None)
+
+
+def _check_responses(cfg: DataConfig) -> None:
+    """The `--responses` folder's data_config.json agrees with `cfg` on every RESPONSE_KEYS."""
+    folder = Path(cfg.responses)
+    try:
+        theirs = _read_config(folder / "data_config.json")
+    except (OSError, ValueError) as e:
+        raise DataError(f"--responses {folder}: cannot read its data_config.json ({e})") from None
+    diff = _difference(theirs, cfg, RESPONSE_KEYS)
+    if diff:
+        raise DataError(f"--responses {folder} was written with {diff} in this run")
 
 
 def _stored_shard(cfg: DataConfig, index: int, chunk: list[dict]) -> list[dict] | None:
     """The rows of shard `index` in the `--responses` folder (responses written earlier and
-    kept, e.g. committed), or None. The folder's data_config.json must agree with `cfg` on
-    everything that shapes a response, and its rows must be this shard's prompts."""
-    if not cfg.responses:
+    kept, e.g. committed; its settings checked by `_check_responses`), or None. Its rows must
+    be this shard's prompts."""
+    path = Path(cfg.responses) / f"{shard_name(index)}.jsonl" if cfg.responses else None
+    if path is None or not path.exists():
         return None
-    folder = Path(cfg.responses)
-    path = folder / f"{shard_name(index)}.jsonl"
-    if not path.exists():
-        return None
-    try:
-        theirs = {**asdict(DataConfig()), **json.loads((folder / "data_config.json").read_text())}
-    except (OSError, ValueError) as e:
-        raise DataError(f"--responses {folder}: cannot read its data_config.json ({e})") from None
-    for key in RESPONSE_KEYS:
-        if theirs[key] != asdict(cfg)[key]:
-            raise DataError(f"--responses {folder} was written with {key}={theirs[key]!r}, this run has "
-                            f"{asdict(cfg)[key]!r}")
     stored = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     ids = {r["id"] for r in chunk}
     strangers = [r["id"] for r in stored if r["id"] not in ids]
@@ -274,12 +292,8 @@ def _rebuild_shard(model, stored: list[dict], layer_ids: list[int]) -> tuple[lis
     """A shard from stored responses: the same rows, the features from one prefill each."""
     from .generator import prefill_features
 
-    feats = prefill_features(model, [r["prompt_ids"] + r["response_ids"] for r in stored], layer_ids)
-    rows, offset = [], 0
-    for r, f in zip(stored, feats):
-        rows.append({**r, "offset": offset})
-        offset += f.shape[0]
-    return rows, feats
+    return [dict(r) for r in stored], prefill_features(model, [r["prompt_ids"] + r["response_ids"] for r in stored],
+                                                       layer_ids)
 
 
 @torch.inference_mode()

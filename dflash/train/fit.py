@@ -281,11 +281,7 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
                 ev = evaluator.run(tau=cfg.eval_tau_prompts > 0 and (s % cfg.tau_every == 0 or s == trainer.total_steps))
                 row.update(ev)
                 say(f"eval step {s}: " + " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, float)))
-                score = ev.get("heldout_block_tau", 0.0)  # computed at every eval: one scale for "best"
-                if score > best:
-                    best = score
-                    trainer.draft.save_pretrained(out / "best")
-                    _atomic_text(out / "best.json", json.dumps({"step": s, "score": score, **row}) + "\n")
+                best = _keep_if_best(trainer, out, {"step": s, **row}, best)
             with open(metrics, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
             if s % cfg.ckpt_every == 0 or s == trainer.total_steps:
@@ -305,12 +301,18 @@ def _score_warm_start(trainer: Trainer, evaluator, out: Path, metrics: Path, bes
     say("eval step 0 (warm start): " + " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, float)))
     with open(metrics, "a") as fh:
         fh.write(json.dumps(row) + "\n")
-    score = ev.get("heldout_block_tau", 0.0)
-    if score > best:
-        trainer.draft.save_pretrained(out / "best")
-        _atomic_text(out / "best.json", json.dumps({"score": score, **row}) + "\n")
-        best = score
-    return best
+    return _keep_if_best(trainer, out, row, best)
+
+
+def _keep_if_best(trainer: Trainer, out: Path, row: dict, best: float) -> float:
+    """Save the draft as best/ when this evaluation's held-out block tau (computed at every
+    evaluation: one scale for "best") beats `best`; returns the best score."""
+    score = row.get("heldout_block_tau", 0.0)
+    if score <= best:
+        return best
+    trainer.draft.save_pretrained(out / "best")
+    _atomic_text(out / "best.json", json.dumps({"score": score, **row}) + "\n")
+    return score
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
