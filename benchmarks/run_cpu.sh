@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/cpu}
 THREADS=${THREADS:-2}
-$PY -m dflash.bench profile --threads "$THREADS" --clock wall --out "$OUT/profile"
-$PY -m dflash.bench bench --datasets humaneval math mtbench sharegpt --limit "${LIMIT:-4}" --max-new-tokens 128 \
+$PY -m dflash.cli profile --threads "$THREADS" --clock wall --out "$OUT/profile"
+$PY -m dflash.cli bench --datasets humaneval math mtbench sharegpt --limit "${LIMIT:-4}" --max-new-tokens 128 \
     --block-size 4 16 --draft-threshold 0.3 --threads "$THREADS" --time-budget "${BUDGET:-1500}" \
     --output "$OUT/results.json" --markdown "$OUT/results.md" --plots "$OUT" \
     --profile-json "$OUT/profile/profile.json"

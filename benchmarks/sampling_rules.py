@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from dflash.generate import dflash_generate
-from dflash.pipeline import Pipeline
-from dflash.prompts import load_dataset
+from dflash.engine.loop import dflash_generate
+from dflash.text.pipeline import Pipeline
+from dflash.text.prompts import load_dataset
 
 
 def main():

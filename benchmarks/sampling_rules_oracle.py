@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash import generate as gen
-from dflash.config import DFlashConfig
-from dflash.draft import DFlashDraftModel
-from dflash.sampling import SamplingParams, probabilities, sample
+from dflash.engine import loop as gen
+from dflash.engine.config import DFlashConfig
+from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.sampling import SamplingParams, probabilities, sample
 
 BLOCK, NEW, PROMPTS = 8, 32, 4
 

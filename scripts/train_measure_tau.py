@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from dflash import prompts as P
-from dflash.assets import load_target
-from dflash.draft import DFlashDraftModel
-from dflash.generate import dflash_generate
-from dflash.target import TargetModel
+from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.loop import dflash_generate
+from dflash.engine.target import TargetModel
+from dflash.text import prompts as P
+from dflash.text.assets import load_target
 
 
 def main():

@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
-exec "$PY" -m dflash.vllm_backend setup "$@"
+exec "$PY" -m dflash.backends.vllm.worker setup "$@"

@@ -2,11 +2,17 @@
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-from dflash.config import DFlashConfig
-from dflash.draft import DFlashDraftModel
+from dflash.engine.config import DFlashConfig
+from dflash.engine.draft import DFlashDraftModel
 
 torch.set_num_threads(1)
 

@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash import assets, prompts
-from dflash.assets import AssetError
-from dflash.prompts import DatasetError, PromptFileError
-
+from dflash.text import assets, prompts
+from dflash.text.assets import AssetError
+from dflash.text.prompts import DatasetError, PromptFileError
 
 # ----------------------------------------------------------------------------- datasets
 

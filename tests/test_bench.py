@@ -1,19 +1,28 @@
 """dflash bench on a tiny random target: records, statistics, the equality check, outputs."""
 
+import argparse
 import json
 
 import pytest
 import torch
-
 from conftest import tiny_draft, tiny_target
-from dflash import bench, bench_methods
-from dflash.bench_methods import BASELINE, Settings, build_methods
-from dflash.bench_stats import (Record, first_mismatch, histogram, paired_speedups, per_position_acceptance,
-                                summarize, tau)
-import argparse
-from dflash.pipeline import Pipeline
-from dflash.prompts import Prompt, PromptFileError
-from dflash.target import TargetModel
+
+from dflash.bench import methods as bench_methods
+from dflash.bench import runner as bench
+from dflash.bench.methods import BASELINE, Settings, build_methods
+from dflash.bench.stats import (
+    Record,
+    first_mismatch,
+    histogram,
+    paired_speedups,
+    per_position_acceptance,
+    summarize,
+    tau,
+)
+from dflash.cli.bench import add_bench
+from dflash.engine.target import TargetModel
+from dflash.text.pipeline import Pipeline
+from dflash.text.prompts import Prompt, PromptFileError
 
 
 class ByteTokenizer:
@@ -120,7 +129,7 @@ def test_equality_check_fires_on_a_planted_mismatch(pipe, capsys):
 def main(argv):
     """`dflash bench ...` through its own parser (the other subcommands stay out of it)."""
     parser = argparse.ArgumentParser(prog="dflash")
-    bench.add_bench(parser.add_subparsers(dest="command", required=True))
+    add_bench(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)
 
@@ -156,8 +165,8 @@ def test_command_writes_json_markdown_plots(pipe, tmp_path, monkeypatch, capsys)
 
 
 def test_block_choice_from_acceptance_and_cost_curve():
-    from dflash.bench_report import markdown_block_choice
-    from dflash.bench_stats import Summary, expected_commits, predicted_speedup
+    from dflash.bench.report import markdown_block_choice
+    from dflash.bench.stats import Summary, expected_commits, predicted_speedup
 
     rates = [0.8, 0.6, 0.4, 0.2, 0.1, 0.0, 0.0]
     assert expected_commits(rates, 1) == 1.0 and expected_commits(rates, 4) == pytest.approx(2.8)
@@ -207,7 +216,7 @@ def test_time_budget_stops_between_prompts(pipe):
 
 
 def test_prompts_round_robin_across_sets(monkeypatch):
-    import dflash.prompts as prompts
+    import dflash.text.prompts as prompts
 
     fake = {n: [Prompt(id=f"{n}/{i}", dataset=n, messages=[{"role": "user", "content": "x"}]) for i in range(k)]
             for n, k in (("a", 2), ("b", 1), ("c", 2))}

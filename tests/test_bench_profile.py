@@ -1,12 +1,12 @@
 """dflash profile on a tiny random target: step parts, overhead ratio, cost curves, report."""
 
 import pytest
-
 from conftest import tiny_draft, tiny_target
-from dflash import bench_profile as bp
-from dflash.bench_report import plot_cost_curve, profile_markdown
-from dflash.generate import DraftHead
-from dflash.target import TargetModel
+
+from dflash.bench import profile as bp
+from dflash.bench.report import plot_cost_curve, profile_markdown
+from dflash.engine.loop import DraftHead
+from dflash.engine.target import TargetModel
 
 _draft_head_logits = DraftHead.logits
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-
-from dflash.chat import LiveView, PlainView, chat_loop, status_line
-from dflash.cli import build_parser
-from dflash.server_generation import GenSettings, SpecStats
 from test_server import offline_chat
 from test_server_support import tiny_pipeline
+
+from dflash.cli.chat import LiveView, chat_loop, status_line
+from dflash.cli.commands import build_parser
+from dflash.text.session import GenSettings, SpecStats
 
 STATUS = re.compile(r"\[(\d+) tokens · tau (\d+\.\d\d) · (\d+\.\d) tokens/s · \d+\.\ds\]")
 
@@ -90,7 +90,7 @@ def test_chat_subcommand_is_registered():
 @pytest.mark.slow
 def test_dflash_chat_command_through_stdin():
     """The real command on the default SmolLM2 target: two turns fed through stdin."""
-    from dflash import assets
+    from dflash.text import assets
 
     if not (assets.cache_dir() / assets.DEFAULT_TARGET / "config.json").exists():
         pytest.skip("the default target is not converted on this machine")

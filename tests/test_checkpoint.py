@@ -4,11 +4,10 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_draft
 from safetensors.torch import save_file
 
 from dflash.model import CheckpointError, DFlashDraftModel, dflash_generate
-
-from conftest import tiny_draft
 
 
 def _draft_inputs(draft, ctx_len=7, block=8, seed=0):
@@ -161,7 +160,7 @@ def test_truncated_weights_file(tmp_path, llama_draft):
 
 
 def test_default_layer_ids():
-    from dflash.config import default_target_layer_ids
+    from dflash.engine.config import default_target_layer_ids
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(30, 1) == [15]
     assert default_target_layer_ids(4, 2) == [1, 1]

@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-
-from dflash.cli import main
-from dflash.generate import dflash_generate
-from dflash.pipeline import Pipeline
 from test_server_support import tiny_pipeline
+
+from dflash.cli.commands import main
+from dflash.engine.loop import dflash_generate
+from dflash.text.pipeline import Pipeline
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,8 @@ def test_bad_input_is_a_clear_error(folders, capsys, args, message):
 
 def test_mismatched_draft_is_named(folders, tmp_path, capsys):
     root, pipe = folders
-    from dflash.config import DFlashConfig
-    from dflash.draft import DFlashDraftModel
+    from dflash.engine.config import DFlashConfig
+    from dflash.engine.draft import DFlashDraftModel
     cfg = DFlashConfig.for_target(pipe.target.model.config, num_hidden_layers=1)
     torch.manual_seed(0)
     DFlashDraftModel(DFlashConfig(**{**cfg.__dict__, "hidden_size": 32, "head_dim": 8})).save_pretrained(tmp_path / "d")

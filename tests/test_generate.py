@@ -2,15 +2,14 @@
 
 import pytest
 import torch
-
-from dflash import generate as gen
-from dflash.cache import StaticTargetCache
-from dflash.generate import GenerationError
-from dflash.model import dflash_generate
-from dflash.sampling import SamplingParams
-from dflash.target import TargetModel
-
 from conftest import tiny_draft, tiny_target
+
+from dflash.engine import loop as gen
+from dflash.engine.cache import StaticTargetCache
+from dflash.engine.loop import GenerationError
+from dflash.engine.sampling import SamplingParams
+from dflash.engine.target import TargetModel
+from dflash.model import dflash_generate
 
 
 def hf_greedy(model, ids, max_new_tokens, stop=None):

@@ -1,4 +1,4 @@
-"""The MLX backend (dflash.model_mlx) against the PyTorch engine and mlx-lm itself.
+"""The MLX backend (dflash.backends.mlx.loop) against the PyTorch engine and mlx-lm itself.
 
 Tiny random HF models (written with transformers, loaded through mlx-lm) keep this file
 fast: MLX is ~40x slower than torch on this CPU. Tolerances (fp32): draft block hidden
@@ -19,11 +19,18 @@ import torch  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from dflash.config import DFlashConfig  # noqa: E402
-from dflash.draft import CheckpointError, DFlashDraftModel  # noqa: E402
-from dflash.model_mlx import (MLXTarget, WindowKVCache, _rope_overrides, load, load_draft,  # noqa: E402
-                              stream_generate, stream_tokens)
-from dflash.target import IncompatibleDraftError, TargetModel  # noqa: E402
+from dflash.backends.mlx.loop import (  # noqa: E402
+    MLXTarget,
+    WindowKVCache,
+    _rope_overrides,
+    load,
+    load_draft,
+    stream_generate,
+    stream_tokens,
+)
+from dflash.engine.config import DFlashConfig  # noqa: E402
+from dflash.engine.draft import CheckpointError, DFlashDraftModel  # noqa: E402
+from dflash.engine.target import IncompatibleDraftError, TargetModel  # noqa: E402
 
 VOCAB, EOS = 320, 256
 PROMPT = "hello world, this is a tiny test of speculative decoding"
@@ -340,7 +347,7 @@ def test_sampling_is_seeded_and_near_greedy_at_tiny_temperature(tiny):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from dflash.assets import default_target_dir
+    from dflash.text.assets import default_target_dir
 
     path = default_target_dir()
     return (path, *load(path))

@@ -14,10 +14,10 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-
-from dflash.generate import dflash_generate
-from dflash.target import TargetModel
 from test_server_support import LiveServer, tiny_pipeline
+
+from dflash.engine.loop import dflash_generate
+from dflash.engine.target import TargetModel
 
 MODEL = "tiny"
 
@@ -372,7 +372,7 @@ def test_draft_threshold_is_served_exactly(pipe):
                                                temperature=0)
         assert out.choices[0].text == offline_text(pipe, "the quick brown fox", 30)
         assert out.usage.spec_decode["num_draft_tokens"] == 0
-    from dflash.server import ServerOptions, build_server
+    from dflash.serve.server import ServerOptions, build_server
 
     with pytest.raises(ValueError, match="draft-threshold"):
         build_server(pipe, ServerOptions(draft_threshold=1.5), start_worker=False)

@@ -13,13 +13,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from test_server_support import free_socket
 
 
 @pytest.mark.slow
 def test_dflash_serve_process_sigterm_finishes_the_stream():
-    from dflash import assets
+    from dflash.text import assets
 
     if not (assets.cache_dir() / assets.DEFAULT_TARGET / "config.json").exists():
         pytest.skip("the default target is not converted on this machine")

@@ -8,7 +8,6 @@ import time
 
 import openai
 import pytest
-
 from test_server import MODEL, metrics, offline_chat, offline_text
 from test_server_support import LiveServer, tiny_pipeline
 

@@ -11,10 +11,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from dflash.config import DFlashConfig
-from dflash.draft import DFlashDraftModel
-from dflash.pipeline import Pipeline
-from dflash.target import TargetModel
+from dflash.engine.config import DFlashConfig
+from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.target import TargetModel
+from dflash.text.pipeline import Pipeline
 
 SPECIALS = ["<|unused|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -69,7 +69,7 @@ class LiveServer:
     """`dflash serve`'s app on 127.0.0.1:<free port>, in a background thread."""
 
     def __init__(self, pipe: Pipeline, start_worker: bool = True, **options):
-        from dflash.server import ServerOptions, build_server
+        from dflash.serve.server import ServerOptions, build_server
 
         self.sock = free_socket()
         self.port = self.sock.getsockname()[1]

@@ -3,9 +3,9 @@
 import random
 
 import pytest
-
-from dflash.server_text import IncrementalDecoder, StopMatcher
 from test_server_support import tiny_tokenizer
+
+from dflash.text.detok import IncrementalDecoder, StopMatcher
 
 
 @pytest.fixture(scope="module")

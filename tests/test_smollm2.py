@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash.model import dflash_generate
-from dflash.pipeline import Pipeline
+from dflash.text.pipeline import Pipeline
 
 pytestmark = pytest.mark.slow
 

@@ -11,17 +11,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_draft, tiny_target
 
-from dflash.draft import DFlashDraftModel
-from dflash.target import TargetModel
-from dflash.train.blocks import (IGNORE, anchor_bounds, build_batch, chunked_loss_backward, draft_hidden,
-                                 loss_weights, sample_anchors)
+from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.target import TargetModel
+from dflash.train.blocks import (
+    IGNORE,
+    anchor_bounds,
+    build_batch,
+    chunked_loss_backward,
+    draft_hidden,
+    loss_weights,
+    sample_anchors,
+)
 from dflash.train.config import FitConfig
 from dflash.train.data import DataError, Sequence, check_no_leaks
 from dflash.train.evaluate import block_scores
 from dflash.train.fit import Trainer
-
-from conftest import tiny_draft, tiny_target
 
 LAYERS = [0, 2]
 MASK = 95
@@ -146,7 +152,7 @@ def test_a_longer_code_prompt_list_keeps_the_shorter_one_as_its_prefix():
 
 @pytest.mark.slow
 def test_no_evaluation_prompt_leaks_into_training():
-    from dflash import prompts as P
+    from dflash.text import prompts as P
     from dflash.train.data import DataConfig, build_prompts
 
     rows = build_prompts(DataConfig(num_prompts=60))
@@ -244,7 +250,7 @@ def test_ddp_two_processes_equal_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_overfit_one_sequence_reaches_block_size_tau():
-    from dflash.generate import dflash_generate
+    from dflash.engine.loop import dflash_generate
     from dflash.train.generator import generate_batch
 
     target = tiny_target("llama", seed=5)
@@ -309,8 +315,14 @@ def test_stored_responses_rebuild_a_shard_and_refuse_a_different_run(tmp_path):
     import json
     from dataclasses import asdict
 
-    from dflash.train.data import (DataConfig, _check_responses, _rebuild_shard, _stored_shard, load_sequences,
-                                   write_shard)
+    from dflash.train.data import (
+        DataConfig,
+        _check_responses,
+        _rebuild_shard,
+        _stored_shard,
+        load_sequences,
+        write_shard,
+    )
     from dflash.train.generator import generate_batch
 
     target = tiny_target("llama", seed=3)
@@ -343,7 +355,7 @@ def test_stored_responses_rebuild_a_shard_and_refuse_a_different_run(tmp_path):
 
 
 def test_static_decoder_covers_llama_and_qwen3_only():
-    from dflash import static_decoder
+    from dflash.engine import static_decoder
 
     assert static_decoder.supports(tiny_target("llama")) and static_decoder.supports(tiny_target("qwen3"))
     assert not static_decoder.supports(tiny_target("gemma3"))  # sliding layers, scaled embeddings: HF's path
@@ -377,8 +389,8 @@ def test_draft_vocab_loss_is_the_softmax_of_the_proposing_head():
     """loss_vocab 'draft': the draft vocabulary is the K most frequent label tokens, the loss is
     the exact softmax over those rows, labels outside it carry no loss, and the held-out
     proposals come from those rows only."""
+    from dflash.engine.loop import DraftHead
     from dflash.train.blocks import VocabSubset
-    from dflash.generate import DraftHead
     from dflash.train.evaluate import Evaluator
     from dflash.train.fit import frequent_labels
 

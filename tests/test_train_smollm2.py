@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.assets import load_target
+from dflash.text.assets import load_target
 from dflash.train.config import FitConfig
 from dflash.train.data import DataConfig, load_sequences, run_data
 from dflash.train.fit import run_fit

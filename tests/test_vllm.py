@@ -14,13 +14,20 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_draft, tiny_target
 from safetensors import safe_open
 
-from conftest import tiny_draft, tiny_target
-from dflash.config import DFlashConfig
-from dflash.draft import CheckpointError, DFlashDraftModel
-from dflash.export import ExportError, export_draft, find_draft_folder, serve_commands, vllm_problems
-from dflash import vllm_backend as vb
+from dflash.backends.vllm import worker as vb
+from dflash.backends.vllm.export import (
+    ExportError,
+    export_draft,
+    find_draft_folder,
+    serve_commands,
+    vllm_problems,
+)
+from dflash.bench import vllm as bv
+from dflash.engine.config import DFlashConfig
+from dflash.engine.draft import CheckpointError, DFlashDraftModel
 
 DRAFT_TENSORS = {"fc.weight", "hidden_norm.weight", "norm.weight"}
 LAYER_TENSORS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -118,7 +125,7 @@ def test_export_finds_training_outputs_and_guards_the_output(tmp_path, target):
 
 
 def test_export_cli(tmp_path, target, capsys):
-    from dflash.cli import main
+    from dflash.cli.commands import main
 
     tiny_draft(target).save_pretrained(tmp_path / "d")
     assert main(["export", str(tmp_path / "d"), str(tmp_path / "e"), "--no-target-check", "--json",
@@ -137,28 +144,28 @@ def test_serve_commands_block_size(target):
 
 
 def test_acceptance_accounting():
-    from dflash.bench_stats import Record
+    from dflash.bench.stats import Record
 
     assert vb.mean_acceptance_length({"drafts": 4, "accepted": 6}) == 2.5
     assert vb.mean_acceptance_length({}) is None
     ours = Record("dflash-b16", [1] * 9, 3, 1.0, 0.1, steps=[(15, 3, 4), (15, 0, 1), (2, 2, 3)])
     theirs = Record("vllm-dflash-b16", [1] * 9, 3, 1.0, 0.1, extra={"vllm_spec": {"drafts": 3, "accepted": 5}})
-    assert vb.records_acceptance([ours]) == pytest.approx(1 + 5 / 3)
-    assert vb.records_acceptance([theirs]) == pytest.approx(1 + 5 / 3)
-    assert vb.records_acceptance([Record("target", [1], 3, 1.0, 0.1)]) is None
+    assert bv.records_acceptance([ours]) == pytest.approx(1 + 5 / 3)
+    assert bv.records_acceptance([theirs]) == pytest.approx(1 + 5 / 3)
+    assert bv.records_acceptance([Record("target", [1], 3, 1.0, 0.1)]) is None
 
 
 def test_bench_methods_are_opt_in_and_say_when_vllm_is_missing(monkeypatch, tmp_path):
-    from dflash.bench_methods import Settings
+    from dflash.bench.methods import Settings
 
     monkeypatch.delenv("DFLASH_BENCH_VLLM", raising=False)
-    assert vb.bench_methods(Settings()) == []
+    assert bv.bench_methods(Settings()) == []
     s = Settings(block_sizes=(16, 8))
     s.vllm = True
     monkeypatch.setenv("DFLASH_VLLM_PYTHON", str(tmp_path / "no-python"))
-    assert vb.bench_methods(s) == [] and any("vLLM not found" in n for n in s.notes)
+    assert bv.bench_methods(s) == [] and any("vLLM not found" in n for n in s.notes)
     monkeypatch.setenv("DFLASH_VLLM_PYTHON", sys.executable)
-    assert [n for n, _ in vb.bench_methods(s)] == ["vllm", "vllm-dflash-b16", "vllm-dflash-b8"]
+    assert [n for n, _ in bv.bench_methods(s)] == ["vllm", "vllm-dflash-b16", "vllm-dflash-b8"]
 
 
 def test_engine_reports_a_worker_that_cannot_start(tmp_path):
@@ -199,10 +206,10 @@ def vllm_py():
 
 @pytest.mark.slow
 def test_vllm_serves_our_draft_losslessly_with_our_acceptance(vllm_py, monkeypatch):
-    from dflash.bench import check_equal, run_bench
-    from dflash.bench_methods import BASELINE, Settings, hf_method, loop_method
-    from dflash.pipeline import Pipeline
-    from dflash.prompts import Prompt
+    from dflash.bench.methods import BASELINE, Settings, hf_method, loop_method
+    from dflash.bench.runner import check_equal, run_bench
+    from dflash.text.pipeline import Pipeline
+    from dflash.text.prompts import Prompt
 
     torch.set_num_threads(1)  # like vLLM's worker; two threads on a busy 2-core machine crawl
     monkeypatch.setenv("DFLASH_VLLM_PYTHON", vllm_py)
@@ -211,7 +218,7 @@ def test_vllm_serves_our_draft_losslessly_with_our_acceptance(vllm_py, monkeypat
     settings = Settings(block_sizes=(16,))
     settings.vllm = True
     methods = [(BASELINE, hf_method(BASELINE, settings)), ("dflash-b16", loop_method(16, settings))]
-    methods += vb.bench_methods(settings)
+    methods += bv.bench_methods(settings)
     assert [n for n, _ in methods][2:] == ["vllm", "vllm-dflash-b16"], settings.notes
     prompts = [Prompt(f"p{i}", "vllm-test", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)]
     try:
@@ -224,7 +231,7 @@ def test_vllm_serves_our_draft_losslessly_with_our_acceptance(vllm_py, monkeypat
                                      for m in mismatches)
     by = {n: [r for r in records if r.method == n] for n, _ in methods}
     assert all(r.num_output_tokens > 0 for r in by["vllm-dflash-b16"])
-    ours, theirs = vb.records_acceptance(by["dflash-b16"]), vb.records_acceptance(by["vllm-dflash-b16"])
+    ours, theirs = bv.records_acceptance(by["dflash-b16"]), bv.records_acceptance(by["vllm-dflash-b16"])
     drafts = sum(r.extra["vllm_spec"]["drafts"] for r in by["vllm-dflash-b16"])
     print(f"\nmean acceptance length ({'shipped' if pipe.draft_trained else 'random'} draft): ours {ours:.3f}, "
           f"vLLM {theirs:.3f} over {drafts} vLLM drafts")

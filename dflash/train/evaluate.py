@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..generate import DraftHead
-from .blocks import IGNORE, draft_hidden
+from dflash.engine.loop import DraftHead
+from dflash.train.blocks import IGNORE, draft_hidden
 
 EVAL_EPOCH = 10_000_019  # a fixed anchor seed for held-out evaluation, never a training epoch
 
@@ -62,14 +62,14 @@ class Evaluator:
 
     def _eval_prompts(self):
         if self.prompts is None:
-            from .. import prompts as P
+            from dflash.text import prompts as P
             k = self.t.cfg.eval_tau_prompts
             self.prompts = {"math": P.math(limit=k), "code": P.humaneval(limit=k), "chat": P.mtbench(limit=k)}
         return self.prompts
 
     @torch.no_grad()
     def tau(self) -> dict:
-        from ..generate import dflash_generate
+        from dflash.engine.loop import dflash_generate
 
         t, tok = self.t, self.tok
         t.draft.eval()

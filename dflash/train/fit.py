@@ -19,14 +19,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import DFlashConfig
-from ..draft import DFlashDraftModel
-from ..draft_vocab import most_frequent
-from ..pipeline import stop_token_ids
-from ..target import TargetModel
-from .blocks import VocabSubset, build_batch, chunked_loss_backward, cosine_lambda, draft_hidden, sample_anchors
-from .config import FitConfig
-from .data import Sequence
+from dflash.engine.config import DFlashConfig
+from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.target import TargetModel
+from dflash.text.pipeline import stop_token_ids
+from dflash.text.vocab import most_frequent
+from dflash.train.blocks import (
+    VocabSubset,
+    build_batch,
+    chunked_loss_backward,
+    cosine_lambda,
+    draft_hidden,
+    sample_anchors,
+)
+from dflash.train.config import FitConfig
+from dflash.train.data import Sequence
 
 
 def _rank_world() -> tuple[int, int]:
@@ -65,7 +72,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.draft = DFlashDraftModel(dcfg)
         if cfg.init == "target":
-            from .init import init_from_target
+            from dflash.train.init import init_from_target
             init_from_target(self.draft, hf_model)
         elif cfg.init != "random":
             raise ValueError(f"init must be 'random' or 'target', got {cfg.init!r}")
@@ -231,10 +238,10 @@ def _setup_distributed(cfg: FitConfig) -> None:
 
 
 def run_fit(cfg: FitConfig, log=None) -> dict:
-    from ..assets import load_target
-    from ..pipeline import _mask_token
-    from .data import data_layer_ids, finished_shards, load_sequences
-    from .evaluate import Evaluator
+    from dflash.text.assets import load_target
+    from dflash.text.pipeline import _mask_token
+    from dflash.train.data import data_layer_ids, finished_shards, load_sequences
+    from dflash.train.evaluate import Evaluator
 
     torch.set_num_threads(cfg.threads)
     _setup_distributed(cfg)

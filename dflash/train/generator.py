@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import static_decoder
+from dflash.engine import static_decoder
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..draft import DFlashDraftModel
+from dflash.engine.draft import DFlashDraftModel
 
 _NAMES = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",

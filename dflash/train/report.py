@@ -52,7 +52,7 @@ def plot_runs(runs: list[str], out: str | Path, labels: list[str] | None = None)
 
 
 def data_manifest(folder: str | Path, shards: list[int] | None) -> dict:
-    from .data import finished_shards, shard_name
+    from dflash.train.data import finished_shards, shard_name
 
     folder = Path(folder)
     shards = finished_shards(folder) if shards is None else shards
@@ -73,7 +73,7 @@ def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: st
     """Copy run/<which> (a draft in the DFLASH.md §4 format) to dest with MANIFEST.json."""
     import torch
 
-    from .fit import latest_checkpoint
+    from dflash.train.fit import latest_checkpoint
 
     run, dest = Path(run), Path(dest)
     src = run / which
@@ -91,7 +91,7 @@ def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: st
         "data": data_manifest(cfg["data"], state.get("data_shards")),
         **(extra or {}),
     }
-    from ..draft import DFlashDraftModel
+    from dflash.engine.draft import DFlashDraftModel
 
     tmp = dest.with_name(f".{dest.name}.tmp")
     if tmp.exists():

@@ -1,0 +1,242 @@
+"""The methods `dflash bench` compares, behind one registry.
+
+A method is a callable `(pipeline, input_ids (1, T), max_new_tokens) -> Record`. Providers
+turn the run's settings into methods: `register_provider(fn)` where
+`fn(settings) -> list[(name, method)]`; a provider that cannot run here returns [] and says
+why in `settings.notes` (the vLLM provider does, until vLLM is installed)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dflash.bench.stats import Record
+from dflash.engine.loop import stream_generate
+from dflash.engine.sampling import SamplingParams
+
+BASELINE = "target"  # the target alone through HF generate: every speedup is against it
+
+Method = Callable[..., Record]
+
+
+@dataclass
+class Settings:
+    block_sizes: tuple[int, ...] = (16,)
+    temperature: float = 0.0
+    seed: int = 0
+    prompt_lookup: int = 10  # prompt_lookup_num_tokens; 0 leaves the peer out
+    loop_baseline: bool = True  # our loop at block size 1
+    draft_vocabs: tuple[int, ...] = ()  # what-if: a draft vocabulary of K frequent ids (largest block)
+    vocab_source: Callable | None = None  # (pipeline, K) -> ids; None: frequent_vocabulary
+    draft_thresholds: tuple[float, ...] = ()  # also the largest block verifying only proposals with draft prob >= P
+    notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
+
+    def __post_init__(self):
+        if self.vocab_source is None:
+            self.vocab_source = frequent_vocabulary
+
+
+PROVIDERS: list[Callable[[Settings], list[tuple[str, Method]]]] = []
+
+
+def register_provider(fn):
+    PROVIDERS.append(fn)
+    return fn
+
+
+def build_methods(settings: Settings) -> list[tuple[str, Method]]:
+    """All methods of all providers, the baseline first; names are unique."""
+    methods = [m for provider in PROVIDERS for m in provider(settings)]
+    names = [n for n, _ in methods]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"two benchmark methods share the name(s) {dupes}")
+    return methods
+
+
+class PeakMemory:
+    """Peak resident set size of this process while the block runs, sampled every few ms
+    from /proc (CPU); on CUDA, torch's peak allocated memory. `.mb` is over the start."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.mb = interval, 0.0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated()
+            return self
+        self._start = self._peak = _rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.interval):
+            self._peak = max(self._peak, _rss())
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            self.mb = (torch.cuda.max_memory_allocated() - self._start) / 2**20
+            return
+        self._stop.set()
+        self._thread.join()
+        self.mb = (max(self._peak, _rss()) - self._start) / 2**20
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return 0
+
+
+# ---- our loop ------------------------------------------------------------------------
+def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None, threshold: float = 0.0) -> Method:
+    """dflash's loop at `block_size` (1: plain target decoding through the same loop)."""
+    vocab: dict[int, list[int]] = {}  # the draft vocabulary per pipeline, built on first use
+
+    def run(pipe, input_ids, max_new_tokens) -> Record:
+        if draft_vocab:
+            if id(pipe) not in vocab:
+                vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
+            with draft_vocabulary(pipe.draft, vocab[id(pipe)]):
+                return _run(pipe, input_ids, max_new_tokens)
+        return _run(pipe, input_ids, max_new_tokens)
+
+    def _run(pipe, input_ids, max_new_tokens) -> Record:
+        gen = torch.Generator().manual_seed(settings.seed) if settings.temperature > 0 else None
+        params = SamplingParams(settings.temperature)
+        tokens, steps, ttft, finish = [], [], 0.0, "length"
+        with PeakMemory() as mem:
+            start = time.perf_counter()
+            for i, step in enumerate(stream_generate(pipe.draft if block_size > 1 else None, pipe.target, input_ids,
+                                                     max_new_tokens, pipe.stop_token_ids, params, block_size,
+                                                     None, gen, draft_threshold=threshold)):
+                if i == 0:
+                    ttft = time.perf_counter() - start
+                else:
+                    steps.append((step.proposed, step.accepted, len(step.tokens)))
+                tokens += step.tokens
+                finish = step.finish_reason or finish
+            total = time.perf_counter() - start
+        return Record(_loop_name(block_size), tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb)
+
+    return run
+
+
+@contextmanager
+def draft_vocabulary(draft, ids: list[int] | None):
+    """While active, the draft proposes from `ids` only (the engine's `draft_vocab`: its
+    lm_head scores those rows); None: the full vocabulary. Output stays exact."""
+    saved = draft.config.draft_vocab
+    draft.config.draft_vocab = ids
+    try:
+        yield
+    finally:
+        draft.config.draft_vocab = saved
+
+
+def frequent_vocabulary(pipe, size: int) -> list[int]:
+    """The `size` most frequent ids of the ShareGPT train prompts (plus the stop tokens),
+    as `python -m dflash.draft_vocab` writes them into a checkpoint."""
+    from dflash.text.prompts import sharegpt
+    from dflash.text.vocab import frequent_ids
+
+    return frequent_ids(pipe.tokenizer, [p.content for p in sharegpt(split="train")], size, always=pipe.stop_token_ids)
+
+
+def _loop_name(block_size: int) -> str:
+    return "loop-b1" if block_size == 1 else f"dflash-b{block_size}"
+
+
+# ---- HF generate: the target alone, and prompt lookup --------------------------------
+class _TimingStreamer:
+    """Records when generate pushes tokens: the first push is the prompt, then one push per
+    step (several tokens per step for assisted/prompt-lookup decoding)."""
+
+    def __init__(self):
+        self.pushes: list[tuple[float, int]] = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.pushes.append((time.perf_counter(), int(value.numel())))
+
+    def end(self):
+        pass
+
+
+def hf_method(name: str, settings: Settings, **generate_kwargs) -> Method:
+    def run(pipe, input_ids, max_new_tokens) -> Record:
+        from transformers import GenerationConfig
+
+        model, tok = pipe.target.model, pipe.tokenizer
+        sampled = settings.temperature > 0
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sampled,
+                               temperature=settings.temperature if sampled else None, top_k=0 if sampled else None,
+                               top_p=1.0 if sampled else None, eos_token_id=pipe.stop_token_ids,
+                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else pipe.stop_token_ids[0],
+                               **generate_kwargs)
+        if sampled:
+            torch.manual_seed(settings.seed)
+        streamer = _TimingStreamer()
+        with PeakMemory() as mem, torch.inference_mode():
+            start = time.perf_counter()
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=cfg,
+                                 streamer=streamer)
+            total = time.perf_counter() - start
+        tokens = out[0, input_ids.shape[1]:].tolist()
+        pushes = streamer.pushes
+        ttft = pushes[0][0] - start if pushes else total
+        proposed = -1 if "prompt_lookup_num_tokens" in generate_kwargs else 0
+        steps = [(proposed, n - 1, n) for _, n in pushes[1:]] if proposed else []
+        finish = "stop" if tokens and tokens[-1] in pipe.stop_token_ids else "length"
+        return Record(name, tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb)
+
+    return run
+
+
+@register_provider
+def _hf_methods(settings: Settings):
+    methods = [(BASELINE, hf_method(BASELINE, settings))]
+    if settings.prompt_lookup:
+        name = f"prompt-lookup-{settings.prompt_lookup}"
+        methods.append((name, hf_method(name, settings, prompt_lookup_num_tokens=settings.prompt_lookup)))
+    return methods
+
+
+@register_provider
+def _loop_methods(settings: Settings):
+    sizes = ([1] if settings.loop_baseline else []) + [b for b in settings.block_sizes if b > 1]
+    methods = [(_loop_name(b), loop_method(b, settings)) for b in dict.fromkeys(sizes)]
+    top = max(settings.block_sizes)
+    if top > 1:
+        methods += [(f"{_loop_name(top)}-v{k}", loop_method(top, settings, k)) for k in settings.draft_vocabs]
+        methods += [(f"{_loop_name(top)}-t{p:g}", loop_method(top, settings, threshold=p)) for p in settings.draft_thresholds]
+    return methods
+
+
+@register_provider
+def _vllm_methods(settings: Settings):
+    """vLLM's plain decoding and vLLM + our draft, run in vLLM's own venv (dflash.vllm_backend);
+    opt-in with DFLASH_BENCH_VLLM=1 since each engine takes minutes to start."""
+    from dflash.bench.vllm import bench_methods, wanted
+
+    if not wanted(settings):
+        settings.notes.append("vLLM methods are off (set DFLASH_BENCH_VLLM=1; needs scripts/vllm_env.sh)")
+        return []
+    return bench_methods(settings)

@@ -1,0 +1,230 @@
+"""Benchmark output: the terminal table, the Markdown tables and the PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash.bench.stats import Summary
+
+COLUMNS = ("dataset", "method", "prompts", "tau", "tok/s", "speedup", "paired", "TTFT ms", "peak MB")
+
+
+def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def summary_row(s: Summary) -> list[str]:
+    return [s.dataset, s.method, str(s.prompts), _fmt(s.tau), _fmt(s.tokens_per_s, ".1f"),
+            _fmt(s.speedup, ".2f") + ("x" if s.speedup is not None else ""), _fmt(s.speedup_paired_median),
+            _fmt(s.ttft_ms, ".0f"), _fmt(s.peak_memory_mb, ".0f")]
+
+
+def rich_table(summaries: list[Summary], title: str):
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    for c in COLUMNS:
+        table.add_column(c, justify="left" if c in ("dataset", "method") else "right")
+    last = None
+    for s in summaries:
+        if last is not None and s.dataset != last:
+            table.add_section()
+        last = s.dataset
+        table.add_row(*summary_row(s))
+    return table
+
+
+def markdown_table(summaries: list[Summary]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(summary_row(s)) + " |" for s in summaries]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_positions(summaries: list[Summary]) -> str:
+    """Per-position acceptance of the speculative methods, one row per dataset and method."""
+    spec = [s for s in summaries if any(r is not None for r in s.position_acceptance)]
+    if not spec:
+        return ""
+    width = max(len(s.position_acceptance) for s in spec)
+    head = ["dataset", "method"] + [str(k) for k in range(1, width + 1)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in spec:
+        cells = [_fmt(r) for r in s.position_acceptance] + [""] * (width - len(s.position_acceptance))
+        lines.append("| " + " | ".join([s.dataset, s.method] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_histograms(summaries: list[Summary], path: Path) -> Path:
+    """Acceptance-length histograms (share of steps), one panel per speculative method."""
+    plt = _pyplot()
+    spec = [s for s in summaries if s.dataset != "all" and sum(s.tau_histogram) and s.tau is not None]
+    methods = list(dict.fromkeys(s.method for s in spec))
+    fig, axes = plt.subplots(1, max(len(methods), 1), figsize=(5 * max(len(methods), 1), 3.6), squeeze=False)
+    for ax, m in zip(axes[0], methods):
+        rows = [s for s in spec if s.method == m]
+        width = 0.8 / max(len(rows), 1)
+        for j, s in enumerate(rows):
+            total = sum(s.tau_histogram)
+            xs = [i + 1 + (j - (len(rows) - 1) / 2) * width for i in range(len(s.tau_histogram))]
+            ax.bar(xs, [c / total for c in s.tau_histogram], width, label=f"{s.dataset} (tau {s.tau:.2f})")
+        ax.set(title=m, xlabel="tokens committed per step (acceptance length)", ylabel="share of steps")
+        ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def plot_positions(summaries: list[Summary], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for s in summaries:
+        if s.dataset == "all" or not s.method.startswith("dflash"):
+            continue
+        ks = [k + 1 for k, r in enumerate(s.position_acceptance) if r is not None]
+        ax.plot(ks, [r for r in s.position_acceptance if r is not None], marker="o", ms=3,
+                label=f"{s.dataset} {s.method}")
+    ax.set(xlabel="draft position k in the block", ylabel="P(position k accepted)", ylim=(0, 1.02),
+           title="per-position acceptance")
+    ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def plot_speedups(summaries: list[Summary], baseline: str, path: Path) -> Path:
+    plt = _pyplot()
+    rows = [s for s in summaries if s.method != baseline and s.speedup is not None]
+    datasets = list(dict.fromkeys(s.dataset for s in rows))
+    methods = list(dict.fromkeys(s.method for s in rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(datasets) * max(len(methods), 1) / 2), 3.8))
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        by = {s.dataset: s.speedup for s in rows if s.method == m}
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(datasets))]
+        ax.bar(xs, [by.get(d, 0.0) for d in datasets], width, label=m)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set(ylabel=f"speedup over {baseline} (ratio of median tok/s)", title="speedup by dataset and method")
+    ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(summaries: list[Summary], baseline: str, folder: Path) -> list[Path]:
+    folder = Path(folder)
+    return [plot_histograms(summaries, folder / "acceptance_histogram.png"),
+            plot_positions(summaries, folder / "position_acceptance.png"),
+            plot_speedups(summaries, baseline, folder / "speedup.png")]
+
+
+# ---- `dflash profile` ----------------------------------------------------------------
+STEP_PARTS = ("draft_forward", "draft_head", "verify_forward", "verify_head", "host")
+
+
+def profile_markdown(result: dict) -> str:
+    o = result["overhead"]
+    lines = [f"Machine: {result['machine']['threads']} torch threads, load average "
+             f"{_load(result['machine'])}; clock: {result.get('clock', 'wall')}; draft: {result['draft']}.", "",
+             f"**Engine overhead** (random draft, tau {o['tokens_per_step']:.2f}): one block-{o['block_size']} step "
+             f"{o['block_step_ms']:.1f} ms vs one plain decode step {o['plain_step_ms']:.1f} ms: "
+             f"**{o['ratio']:.2f}x** (a bare {o['block_size']}-token target forward: {o['bare_forward_ratio']:.2f}x).",
+             "", "Step profile (median ms per step; host = step minus the timed parts):", "",
+             "| block | tokens/step | step | draft forward | draft lm_head | verify forward | verify lm_head | host |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {s['block_size']} | {s['tokens_per_step']:.2f} | {s['step_ms']:.1f} | "
+              + " | ".join(f"{s['parts_ms'][k]:.1f}" for k in STEP_PARTS)
+              + " |" for s in [_as_step(o, "plain"), _as_step(o, "block")] + result["steps"]]
+    lines[-len(result["steps"]) - 2] += "  (overhead check, plain)"
+    lines[-len(result["steps"]) - 1] += "  (overhead check, random draft)"
+    curve = result["target_curve"]
+    lines += ["", "Verify pass, median ms for n query tokens (columns) after a context of c tokens (rows), and the "
+              "ratio to n = 1: the target's layers plus its lm_head on row 0 (a step whose proposal 1 is rejected); "
+              "below each, the lm_head on the other n - 1 rows, paid when proposal 1 is accepted:", "",
+              "| context | " + " | ".join(str(n) for n in curve["ns"]) + " |", "|---|" + "---|" * len(curve["ns"])]
+    for row in curve["rows"]:
+        lines.append(f"| {row['context']} | " + " | ".join(f"{m:.0f} ({m / row['ms'][0]:.2f}x)" for m in row["ms"]) + " |")
+        if "rest_head_ms" in row:
+            lines.append(f"| + rows 2..n | " + " | ".join(f"{m:.0f}" for m in row["rest_head_ms"]) + " |")
+    d = result["draft_curve"]
+    lines += ["", f"Draft step ({d['draft_layers']} layers, context {d['context']}; lm_head and argmax included), "
+              "median ms per block size:", "", "| block | " + " | ".join(str(b) for b in d["blocks"]) + " |",
+              "|---|" + "---|" * len(d["blocks"]), "| ms | " + " | ".join(f"{m:.1f}" for m in d["ms"]) + " |"]
+    h = result.get("head_cost")
+    if h:
+        lines += ["", f"The draft's lm_head + argmax over {h['positions']} proposals, full vocabulary vs its first K rows "
+                  "(what a draft vocabulary would cost), median ms:", "",
+                  "| vocabulary | " + " | ".join(str(v) for v in h["vocab"]) + " |", "|---|" + "---|" * len(h["vocab"]),
+                  "| ms | " + " | ".join(f"{m:.1f}" for m in h["ms"]) + " |"]
+    return "\n".join(lines) + "\n"
+
+
+def _as_step(o: dict, which: str) -> dict:
+    return {"block_size": o["block_size"] if which == "block" else 1,
+            "tokens_per_step": o["tokens_per_step"] if which == "block" else 1.0,
+            "step_ms": o[f"{which}_step_ms"], "parts_ms": o[f"{which}_parts_ms"]}
+
+
+def _load(machine: dict) -> str:
+    load = machine.get("load_average")
+    return "?" if not load else f"{load[0]:.1f}"
+
+
+def plot_cost_curve(result: dict, path: Path) -> Path:
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    curve = result["target_curve"]
+    for row in curve["rows"]:
+        a.plot(curve["ns"], [m / row["ms"][0] for m in row["ms"]], marker="o", ms=3, label=f"context {row['context']}")
+    a.plot(curve["ns"], curve["ns"], color="grey", lw=0.8, ls=":", label="linear in n")
+    a.set(xlabel="query tokens n", ylabel="forward time / time at n=1", title="target forward cost",
+          ylim=(0, max(max(m / r["ms"][0] for m in r["ms"]) for r in curve["rows"]) * 1.15))
+    a.legend(fontsize=7)
+    d = result["draft_curve"]
+    base = min(r["ms"][0] for r in curve["rows"])
+    b.plot(d["blocks"], [m / base for m in d["ms"]], marker="o", ms=3)
+    b.set(xlabel="block size", ylabel="draft step / target step at n=1",
+          title=f"draft step cost ({d['draft_layers']} layers, context {d['context']})")
+    return _save(fig, plt, path)
+
+
+def markdown_block_choice(summaries: list[Summary], profile: dict, context: int = 512) -> str:
+    """Predicted speedup per block size: each dataset's per-position acceptance (measured at
+    its largest DFlash block) against the profile's cost curve at the context nearest `context`."""
+    from dflash.bench.stats import expected_commits, predicted_speedup
+
+    curve = profile["target_curve"]
+    row = min(curve["rows"], key=lambda r: abs(r["context"] - context))
+    target_ms = dict(zip(curve["ns"], row["ms"]))
+    rest_ms = dict(zip(curve["ns"], row.get("rest_head_ms", [0.0] * len(curve["ns"]))))
+    draft_ms = dict(zip(profile["draft_curve"]["blocks"], profile["draft_curve"]["ms"]))
+    blocks = [b for b in curve["ns"] if b == 1 or b in draft_ms]
+    best: dict[str, Summary] = {}
+    for s in summaries:
+        if s.method.startswith("dflash-b") and s.dataset != "all":
+            if s.dataset not in best or len(s.position_acceptance) > len(best[s.dataset].position_acceptance):
+                best[s.dataset] = s
+    if not best:
+        return ""
+    lines = [f"Predicted speedup by block size (tau from per-position acceptance x cost curve at context "
+             f"{row['context']}; host work left out):", "", "| dataset | " + " | ".join(f"b{b}" for b in blocks) + " |",
+             "|---|" + "---|" * len(blocks)]
+    for ds, s in best.items():
+        cells = []
+        for b in blocks:
+            sp = (predicted_speedup(s.position_acceptance, b, target_ms, draft_ms, rest_ms)
+                  if b <= len(s.position_acceptance) + 1 else None)
+            cells.append("-" if sp is None else f"{sp:.2f}x (tau {expected_commits(s.position_acceptance, b):.2f})")
+        lines.append(f"| {ds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

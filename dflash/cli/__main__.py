@@ -1,0 +1,5 @@
+import sys
+
+from dflash.cli.commands import main
+
+sys.exit(main())

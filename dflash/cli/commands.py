@@ -1,0 +1,60 @@
+"""The `dflash` command: the registry of subcommands (each module adds its parsers and imports its
+heavy dependencies only when it runs), the shared model and thread flags, and the one error handler."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, function adding its subparsers): each adds parsers with set_defaults(func=...)
+SUBCOMMANDS = (
+    ("dflash.cli.generate", "add_generate"),
+    ("dflash.cli.train", "add_train"),
+    ("dflash.cli.serve", "add_serve"),
+    ("dflash.cli.bench", "add_bench"),
+    ("dflash.cli.export", "add_export"),
+)
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--target", default=None, help="HF model folder (default: SmolLM2-135M-Instruct, converted once)")
+    p.add_argument("--draft", default=None, help='draft checkpoint folder (default: the shipped one; "random" for an untrained draft)')
+
+
+def add_threads(p) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's; 1 is often fastest for small models on busy CPUs)")
+
+
+def set_threads(args) -> None:
+    if getattr(args, "threads", None) is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="Lossless DFlash speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module, fn in SUBCOMMANDS:
+        getattr(importlib.import_module(module), fn)(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        # the library raises errors that name the problem; show them without a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""`dflash generate`: one prompt through the speculative loop, streamed, then tau and tokens/s."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from dflash.cli.commands import add_model_args
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with DFlash speculative decoding, streaming")
+    p.add_argument("prompt", nargs="?", help="a user message (sent through the chat template)")
+    p.add_argument("--messages", help="chat messages as a JSON list of {role, content}, or @FILE")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    add_model_args(p)
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
+    p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
+                   help="verify only the leading proposals the draft gives probability >= P (default 0: the whole block)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--compare", action="store_true", help="also run the target alone and print the speedup")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=run_generate)
+
+
+def _messages(args) -> list[dict]:
+    if args.messages:
+        text = args.messages
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        try:
+            msgs = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: --messages is not valid JSON: {e}")
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+            raise SystemExit("error: --messages must be a JSON list of {\"role\": ..., \"content\": ...} objects")
+        return msgs
+    if not args.prompt:
+        raise SystemExit("error: give a prompt or --messages")
+    return [{"role": "user", "content": args.prompt}]
+
+
+def run_generate(args) -> int:
+    import torch
+
+    from dflash.engine.loop import dflash_generate, stream_generate
+    from dflash.engine.sampling import SamplingParams
+    from dflash.text.pipeline import Pipeline
+
+    pipe = Pipeline.load(args.target, args.draft, quiet=args.json)
+    if args.raw:
+        if not args.prompt:
+            raise SystemExit("error: --raw needs a prompt")
+        ids = pipe.encode_text(args.prompt)
+    else:
+        ids = pipe.encode_chat(_messages(args))
+    params = SamplingParams(args.temperature, args.top_p, args.top_k)
+    gen = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    tok, tokens, lengths, printed = pipe.tokenizer, [], [], ""
+    start = time.perf_counter()
+    ttft = None
+    for step in stream_generate(pipe.draft, pipe.target, ids, args.max_new_tokens, pipe.stop_token_ids, params,
+                                args.block_size, None, gen, draft_threshold=args.draft_threshold):
+        if ttft is None:
+            ttft = time.perf_counter() - start
+        else:
+            lengths.append(len(step.tokens))
+        tokens += step.tokens
+        if not args.json:
+            text = tok.decode(tokens, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    elapsed = time.perf_counter() - start
+    tau = sum(lengths) / max(len(lengths), 1)
+    report = {"text": tok.decode(tokens, skip_special_tokens=True), "num_input_tokens": ids.shape[1],
+              "num_output_tokens": len(tokens), "tau": round(tau, 3), "tokens_per_s": round(len(tokens) / elapsed, 2),
+              "time_to_first_token_s": round(ttft or 0.0, 4), "draft": pipe.draft_path or "random (untrained)"}
+    if args.compare:
+        base = dflash_generate(None, pipe.target, ids, args.max_new_tokens, pipe.stop_token_ids, args.temperature,
+                               block_size=1, top_p=args.top_p, top_k=args.top_k, return_stats=True,
+                               generator=torch.Generator().manual_seed(args.seed) if args.seed is not None else None)
+        report["target_alone_tokens_per_s"] = round(base.num_output_tokens / base.total_time, 2)
+        report["speedup"] = round(report["tokens_per_s"] / report["target_alone_tokens_per_s"], 3)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        line = f"\n\n[{len(tokens)} tokens, tau {tau:.2f}, {report['tokens_per_s']:.1f} tokens/s"
+        if args.compare:
+            line += f", target alone {report['target_alone_tokens_per_s']:.1f} tokens/s, speedup {report['speedup']:.2f}x"
+        print(line + "]" + ("" if pipe.draft_trained else "  (untrained random draft)"), file=sys.stderr)
+    return 0

@@ -1,0 +1,77 @@
+"""`dflash serve` and `dflash chat`: their parsers; the server and the chat load only when run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from dflash.cli.commands import add_model_args, add_threads, set_threads
+
+API_KEY_ENV = "DFLASH_API_KEY"
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set ${API_KEY_ENV})")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 (default 64)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit, prompt + completion")
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
+    p.add_argument("--draft-threshold", type=float, default=0.0,
+                   help="verify only the leading proposals the draft gives at least this probability (default 0: all)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown (default 30)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_threads(p)
+    p.set_defaults(func=run_serve)
+
+    c = sub.add_parser("chat", help="chat in the terminal, streaming, with tau and tokens/s shown live")
+    add_model_args(c)
+    c.add_argument("--system", default=None, help="a system message")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--block-size", type=int, default=None)
+    c.add_argument("--draft-threshold", type=float, default=0.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--plain", action="store_true", help="no live status line (the default when not a terminal)")
+    add_threads(c)
+    c.set_defaults(func=_run_chat)
+
+
+def _run_chat(args) -> int:
+    from dflash.cli.chat import run_chat
+
+    set_threads(args)
+    return run_chat(args)
+
+
+def run_serve(args) -> int:
+    from dflash.serve.server import (
+        ServerOptions,
+        build_server,
+        default_name,
+        is_loopback,
+    )
+    from dflash.text.pipeline import Pipeline
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not is_loopback(args.host) and api_key is None:
+        print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it "
+              f"(set --api-key or ${API_KEY_ENV})", file=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    set_threads(args)
+    pipe = Pipeline.load(args.target, args.draft)
+    name = args.model_name or default_name(args.target)
+    options = ServerOptions(args.host, args.port, api_key, name, args.max_queue, args.max_model_len,
+                            args.block_size, args.draft_threshold, args.shutdown_grace, args.log_level)
+    server = build_server(pipe, options)
+    print(f"dflash: serving '{name}' on http://{args.host}:{args.port}/v1 "
+          f"(draft: {pipe.draft_path or 'random, untrained'}; API key {'required' if api_key else 'off'})",
+          file=sys.stderr)
+    server.run()
+    return 0

@@ -1,0 +1,132 @@
+"""One request's generation as text: the speculative loop, detokenized and cut at stop
+strings, with its acceptance statistics. Shared by the server's worker and `dflash chat`."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from dflash.engine.loop import stream_generate
+from dflash.engine.sampling import SamplingParams
+from dflash.text.detok import IncrementalDecoder, StopMatcher
+
+
+@dataclass(frozen=True)
+class GenSettings:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class SpecStats:
+    """vLLM's speculative-decoding counters, for one request (or summed over many)."""
+    num_drafts: int = 0  # verify steps that had draft tokens
+    num_draft_tokens: int = 0  # draft tokens proposed
+    num_accepted_tokens: int = 0  # of which the target accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by block position 0..B-2
+
+    def add(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.num_accepted_tokens_per_pos) < proposed:
+            self.num_accepted_tokens_per_pos += [0] * (proposed - len(self.num_accepted_tokens_per_pos))
+        for k in range(accepted):
+            self.num_accepted_tokens_per_pos[k] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens per verify step, the target's own token included (vLLM's definition)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "draft_acceptance_rate": round(self.num_accepted_tokens / self.num_draft_tokens, 4)
+                if self.num_draft_tokens else 0.0}
+
+
+@dataclass
+class Delta:
+    """New text (may be empty when tokens arrived but their text is held back)."""
+    text: str
+    completion_tokens: int  # generated so far
+    stats: SpecStats
+    elapsed: float  # seconds since the generation started
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop", "length" or "abort" (cancelled)
+    prompt_tokens: int
+    completion_tokens: int
+    stats: SpecStats
+    time_to_first_token: float  # seconds from the start of the generation
+    elapsed: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    def usage(self) -> dict:
+        """OpenAI's usage object plus this request's acceptance statistics and speed."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "spec_decode": self.stats.as_dict(),
+                "tokens_per_second": round(self.tokens_per_second, 3),
+                "time_to_first_token_s": round(self.time_to_first_token, 5)}
+
+
+def make_generator(settings: GenSettings) -> torch.Generator | None:
+    if settings.temperature == 0:
+        return None
+    seed = settings.seed if settings.seed is not None else secrets.randbits(63)
+    return torch.Generator().manual_seed(seed)
+
+
+def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_token_ids,
+                  cancelled: Callable[[], bool] = lambda: False, block_size: int | None = None,
+                  tokenizer_lock=None, draft_threshold: float = 0.0) -> Iterator[Delta | Done]:
+    """Run the speculative loop; yield a Delta per step and one Done at the end. `cancelled`
+    is checked between steps: when it turns true the generation ends with "abort".
+    `tokenizer_lock` (a threading.Lock) is held around decoding when other threads share
+    the tokenizer."""
+    params = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
+    decoder, stops, stats = IncrementalDecoder(pipe.tokenizer, lock=tokenizer_lock), StopMatcher(settings.stop), SpecStats()
+    start = time.perf_counter()
+    ttft, n_tokens, finish = 0.0, 0, "length"
+    steps = stream_generate(pipe.draft, pipe.target, input_ids, settings.max_tokens, stop_token_ids, params,
+                            block_size, None, make_generator(settings), draft_threshold=draft_threshold)
+    try:
+        for step in steps:
+            if n_tokens == 0:
+                ttft = time.perf_counter() - start
+            n_tokens += len(step.tokens)
+            stats.add(step.proposed, step.accepted)
+            text, hit = stops.feed(decoder.push(step.tokens))
+            if step.finish_reason and not hit:  # the end: let out what was held back
+                tail, hit = stops.feed(decoder.flush())
+                text += tail if hit else tail + stops.flush()
+            if hit or step.finish_reason:
+                finish = "stop" if hit else step.finish_reason
+                yield Delta(text, n_tokens, stats, time.perf_counter() - start)
+                break
+            yield Delta(text, n_tokens, stats, time.perf_counter() - start)
+            if cancelled():
+                finish = "abort"
+                break
+    finally:
+        steps.close()
+    yield Done(finish, int(input_ids.shape[1]), n_tokens, stats, ttft, time.perf_counter() - start)
