@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from dflash.engine.errors import GenerationError
+from dflash.engine.timing import NULL_TIMER, NullTimer
 from dflash.engine.sampling import (
     SamplingParams,
     accepted_prefix,
@@ -93,7 +94,7 @@ class DraftHead:
 
 def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last, pos, size,
            mask_id, params: SamplingParams, generator, head: DraftHead = DraftHead(),
-           threshold: float = 0.0) -> _Block:
+           threshold: float = 0.0, timer: NullTimer = NULL_TIMER) -> _Block:
     """One parallel draft pass over [last, mask x (size-1)] at positions pos..pos+size-1. With
     `threshold` > 0 the proposals end before the first one the draft gives a probability
     below it: the target then verifies fewer tokens. The cut uses the draft's numbers only,
@@ -102,9 +103,12 @@ def _draft(draft: DFlashDraftModel, target: TargetModel, cache, ctx_hidden, last
     block[:, 0] = last
     noise = target.embed(block, draft.config.input_embedding_scale)  # (1, S, H)
     positions = torch.arange(cache.length, pos + size, device=last.device)[None]  # (1, C+S)
-    hidden = draft(positions, noise_embedding=noise, target_hidden=ctx_hidden, past_key_values=cache, use_cache=True)
+    with timer.span("draft_forward"):
+        hidden = draft(positions, noise_embedding=noise, target_hidden=ctx_hidden, past_key_values=cache,
+                       use_cache=True)  # (1, S, H)
     cache.crop_to(pos)  # keep the context, drop the block's K/V
-    logits = head.logits(target, hidden[:, 1:])  # (1, S-1, V or draft vocabulary)
+    with timer.span("draft_head"):
+        logits = head.logits(target, hidden[:, 1:])  # (1, S-1, V or draft vocabulary)
     if params.greedy or params.rule == "match":
         idx = logits.argmax(-1)  # (1, S-1)
         if threshold > 0:
@@ -130,21 +134,27 @@ def _check(block: _Block, logits, params: SamplingParams, generator):
     return int(n[0]), tok
 
 
-def _verify(block: _Block, target: TargetModel, final: torch.Tensor, params: SamplingParams, generator):
+def _verify(block: _Block, target: TargetModel, final: torch.Tensor, params: SamplingParams, generator,
+            timer: NullTimer = NULL_TIMER):
     """final: (1, K+1, H) the target's last hidden states at [last, proposals].
     The lm_head runs on row 0 first, and on the other K rows only when the first proposal is
     accepted: on CPU one row of a large vocabulary costs far less than K+1 rows, and a weak
     draft's first proposal is rejected in most steps. Testing proposal 1, then the rest as a
     block of its own, is the same sequential test, so the output stays exact."""
     if block.tokens.shape[1] == 0:
-        return _check(block, target.logits(final), params, generator)
-    first = target.logits(final[:, :1])  # (1, 1, V)
+        with timer.span("verify_head"):
+            logits = target.logits(final)  # (1, 1, V)
+        return _check(block, logits, params, generator)
+    with timer.span("verify_head"):
+        first = target.logits(final[:, :1])  # (1, 1, V)
     # row 0 twice: the second row would only give the token after an accepted proposal 1,
     # which is then dropped for the rest's own verdict
     n, tok = _check(block.slice(0, 1), first.expand(-1, 2, -1), params, generator)
     if n == 0:
         return 0, tok
-    n, tok = _check(block.slice(1, None), target.logits(final[:, 1:]), params, generator)  # (1, K, V)
+    with timer.span("verify_head"):
+        rest = target.logits(final[:, 1:])  # (1, K, V)
+    n, tok = _check(block.slice(1, None), rest, params, generator)
     return 1 + n, tok
 
 
@@ -152,10 +162,12 @@ def _verify(block: _Block, target: TargetModel, final: torch.Tensor, params: Sam
 def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int,
                     stop_token_ids=None, params: SamplingParams = SamplingParams(), block_size: int | None = None,
                     mask_token_id: int | None = None, generator: torch.Generator | None = None,
-                    draft_window: int | None = None, draft_threshold: float = 0.0) -> Iterator[Step]:
+                    draft_window: int | None = None, draft_threshold: float = 0.0,
+                    timer: NullTimer = NULL_TIMER) -> Iterator[Step]:
     """Yield one Step per loop iteration: first the prefill token, then each verified block.
     `draft_threshold` > 0: verify only the leading proposals the draft gives at least that
-    probability (fewer target tokens per step when the draft is unsure; 0: the whole block)."""
+    probability (fewer target tokens per step when the draft is unsure; 0: the whole block).
+    `timer`: the profiling seam (`engine.timing.PartTimer`); the default times nothing."""
     target = as_target(target)
     block_size, mask_id, max_new_tokens = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id)
     if not (isinstance(draft_threshold, (int, float)) and 0.0 <= draft_threshold <= 1.0):
@@ -178,13 +190,14 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
         size = min(block_size, max_new_tokens - generated)  # the block can yield up to `size` tokens
         if size > 1:
             block = _draft(draft, target, draft_cache, ctx_hidden, last, pos, size, mask_id, params, generator, head,
-                           draft_threshold)
+                           draft_threshold, timer)
         else:
             block = _Block(torch.empty(1, 0, dtype=torch.long, device=last.device))
         proposed = block.tokens.shape[1]
         verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, 1 + proposed)
-        final, hidden = target.forward_hidden(verify_ids, target_cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
-        n_accepted, last = _verify(block, target, final, params, generator)
+        with timer.span("verify_forward"):
+            final, hidden = target.forward_hidden(verify_ids, target_cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
+        n_accepted, last = _verify(block, target, final, params, generator, timer)
         new = block.tokens[0, :n_accepted].tolist() + [int(last)]
         for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
             if t in stop:
