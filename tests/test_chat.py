@@ -17,7 +17,8 @@ from test_server_support import tiny_pipeline
 
 from dflash.cli.chat import LiveView, chat_loop, status_line
 from dflash.cli.commands import build_parser
-from dflash.text.session import GenSettings, SpecStats
+from dflash.engine.stats import SpecStats
+from dflash.text.session import GenSettings
 
 STATUS = re.compile(r"\[(\d+) tokens · tau (\d+\.\d\d) · (\d+\.\d) tokens/s · \d+\.\ds\]")
 

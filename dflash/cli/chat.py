@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, TextIO
 
-from dflash.text.session import Delta, Done, GenSettings, SpecStats, generate_text
+from dflash.engine.stats import SpecStats
+from dflash.text.session import Delta, Done, GenSettings, generate_text
 
 HELP = "commands: /reset forgets the conversation, /exit leaves (or Ctrl-D); Ctrl-C stops an answer"
 

@@ -13,8 +13,9 @@ from typing import Callable
 
 import torch
 
+from dflash.engine.stats import SpecStats
 from dflash.serve.metrics import Metrics
-from dflash.text.session import Done, GenSettings, SpecStats, generate_text
+from dflash.text.session import Done, GenSettings, generate_text
 
 log = logging.getLogger("dflash.server")
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from dflash.engine.loop import stream_generate
 from dflash.engine.sampling import SamplingParams
+from dflash.engine.stats import SpecStats
 from dflash.text.detok import IncrementalDecoder, StopMatcher
 
 
@@ -23,39 +24,6 @@ class GenSettings:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-
-
-@dataclass
-class SpecStats:
-    """vLLM's speculative-decoding counters, for one request (or summed over many)."""
-    num_drafts: int = 0  # verify steps that had draft tokens
-    num_draft_tokens: int = 0  # draft tokens proposed
-    num_accepted_tokens: int = 0  # of which the target accepted
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by block position 0..B-2
-
-    def add(self, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += proposed
-        self.num_accepted_tokens += accepted
-        if len(self.num_accepted_tokens_per_pos) < proposed:
-            self.num_accepted_tokens_per_pos += [0] * (proposed - len(self.num_accepted_tokens_per_pos))
-        for k in range(accepted):
-            self.num_accepted_tokens_per_pos[k] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """tau: tokens per verify step, the target's own token included (vLLM's definition)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    def as_dict(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
-                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-                "draft_acceptance_rate": round(self.num_accepted_tokens / self.num_draft_tokens, 4)
-                if self.num_draft_tokens else 0.0}
 
 
 @dataclass
@@ -114,7 +82,7 @@ def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_tok
             if n_tokens == 0:
                 ttft = time.perf_counter() - start
             n_tokens += len(step.tokens)
-            stats.add(step.proposed, step.accepted)
+            stats.add(step.proposed, step.accepted, len(step.tokens))
             text, hit = stops.feed(decoder.push(step.tokens))
             if step.finish_reason and not hit:  # the end: let out what was held back
                 tail, hit = stops.feed(decoder.flush())

@@ -1,0 +1,81 @@
+"""The one fold of loop steps into statistics, and the one definition of tau.
+
+tau (mean acceptance length) = tokens committed per verify step that had proposals, the target's
+own token included: 1 + accepted / drafts. It is vLLM's `mean_acceptance_length`. Steps
+without proposals (the prefill token, block size 1, a policy that skipped the draft) are
+counted apart in `num_plain_steps`: they neither raise nor lower tau. Every report (CLI,
+server, benchmark, MLX, training evaluation) folds its steps here. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+@dataclass
+class SpecStats:
+    """vLLM's speculative-decoding counters for one request, or summed over many (`merge`)."""
+    num_drafts: int = 0  # verify steps that had proposals
+    num_draft_tokens: int = 0  # proposals verified
+    num_accepted_tokens: int = 0  # of which the target accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by block position 0..B-2
+    num_plain_steps: int = 0  # verify steps without proposals (not counted in tau)
+    num_tokens: int = 0  # tokens committed by the folded steps, every step's
+
+    def add(self, proposed: int, accepted: int, committed: int | None = None) -> None:
+        """Fold one step: `proposed` proposals verified, `accepted` of them kept, `committed`
+        tokens added (default accepted + 1; less when a stop token or the length cut it)."""
+        self.num_tokens += accepted + 1 if committed is None else committed
+        if proposed <= 0:
+            self.num_plain_steps += 1
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.num_accepted_tokens_per_pos) < proposed:
+            self.num_accepted_tokens_per_pos += [0] * (proposed - len(self.num_accepted_tokens_per_pos))
+        for k in range(accepted):
+            self.num_accepted_tokens_per_pos[k] += 1
+
+    def merge(self, other: "SpecStats") -> "SpecStats":
+        """A new SpecStats with both counts summed."""
+        out = SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                        list(self.num_accepted_tokens_per_pos), self.num_plain_steps, self.num_tokens)
+        out.num_drafts += other.num_drafts
+        out.num_draft_tokens += other.num_draft_tokens
+        out.num_accepted_tokens += other.num_accepted_tokens
+        out.num_plain_steps += other.num_plain_steps
+        out.num_tokens += other.num_tokens
+        for k, c in enumerate(other.num_accepted_tokens_per_pos):
+            if k < len(out.num_accepted_tokens_per_pos):
+                out.num_accepted_tokens_per_pos[k] += c
+            else:
+                out.num_accepted_tokens_per_pos.append(c)
+        return out
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens per verify step with proposals, the target's own token included."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    tau = mean_acceptance_length
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+                "num_plain_steps": self.num_plain_steps,
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "draft_acceptance_rate": round(self.acceptance_rate, 4)}
+
+
+def fold(steps: Iterable[tuple[int, int, int]]) -> SpecStats:
+    """SpecStats of (proposed, accepted, committed) triples, one per verify step."""
+    stats = SpecStats()
+    for proposed, accepted, committed in steps:
+        stats.add(proposed, accepted, committed)
+    return stats
