@@ -16,7 +16,7 @@ _PUBLIC = {
     "CheckpointError": "dflash.engine.errors", "GenerationError": "dflash.engine.errors",
     "IncompatibleDraftError": "dflash.engine.errors", "ConfigError": "dflash.engine.errors",
     "DFlashDraftModel": "dflash.engine.draft", "TargetModel": "dflash.engine.target",
-    "check_compatible": "dflash.engine.target", "SamplingParams": "dflash.engine.sampling",
+    "check_compatible": "dflash.engine.target", "SamplingParams": "dflash.engine.request",
     "GenerationResult": "dflash.engine.loop", "Step": "dflash.engine.loop",
     "dflash_generate": "dflash.engine.loop", "stream_generate": "dflash.engine.loop",
     "SpecStats": "dflash.engine.stats",

@@ -6,7 +6,7 @@ from conftest import tiny_draft, tiny_target
 
 from dflash.engine import loop as gen
 from dflash.engine.cache import StaticTargetCache
-from dflash.engine.loop import GenerationError
+from dflash.engine.errors import GenerationError
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.target import TargetModel
 from dflash.model import dflash_generate
@@ -83,25 +83,28 @@ def test_stop_token_in_prompt_is_ignored(llama, llama_draft):
     assert torch.equal(dflash_generate(llama_draft, llama, ids, 12, [5], block_size=8), ref)
 
 
-def _force_proposals(monkeypatch, continuation, plant_at=None):
-    """Replace the draft pass by an oracle that proposes the target's own continuation
-    (optionally with a wrong token planted at block position `plant_at`)."""
-    def oracle(draft, target, cache, ctx_hidden, last, pos, size, mask_id, params, generator, head=None, threshold=0.0):
-        done = pos - oracle.prompt_len + 1  # tokens generated so far (including `last`)
-        tokens = continuation[done: done + size - 1].clone()
-        if plant_at is not None and plant_at - 1 < len(tokens):
-            tokens[plant_at - 1] = (tokens[plant_at - 1] + 1) % 96
-        return gen._Block(tokens[None])
-    monkeypatch.setattr(gen, "_draft", oracle)
-    return oracle
+class OracleProposer:
+    """Proposes the target's own continuation (optionally with a wrong token planted at block
+    position `plant_at`): the loop's proposer seam, no patching."""
+    layer_ids = None  # reads no target hidden states
+
+    def __init__(self, continuation, prompt_len, plant_at=None):
+        self.continuation, self.prompt_len, self.plant_at = continuation, prompt_len, plant_at
+
+    def propose(self, ctx_hidden, last, pos, size, want_conf=False):
+        done = pos - self.prompt_len + 1  # tokens generated so far (including `last`)
+        tokens = self.continuation[done: done + size - 1].clone()
+        if self.plant_at is not None and self.plant_at - 1 < len(tokens):
+            tokens[self.plant_at - 1] = (tokens[self.plant_at - 1] + 1) % 96
+        return gen.Proposal(tokens[None])
 
 
-def test_oracle_draft_reaches_block_size(monkeypatch, llama, llama_draft):
+def test_oracle_draft_reaches_block_size(llama, llama_draft):
     ids = torch.tensor([[11, 12, 13]])
     ref = hf_greedy(llama, ids, 1 + 16 * 4)
-    oracle = _force_proposals(monkeypatch, ref[0, ids.shape[1]:])
-    oracle.prompt_len = ids.shape[1]
-    res = dflash_generate(llama_draft, llama, ids, 1 + 16 * 4, None, block_size=16, return_stats=True)
+    oracle = OracleProposer(ref[0, ids.shape[1]:], ids.shape[1])
+    res = dflash_generate(llama_draft, llama, ids, 1 + 16 * 4, None, block_size=16, return_stats=True,
+                          proposer=oracle)
     assert torch.equal(res.output_ids, ref)
     assert res.acceptance_lengths == [16, 16, 16, 16]
     assert res.tau == 16
@@ -109,12 +112,11 @@ def test_oracle_draft_reaches_block_size(monkeypatch, llama, llama_draft):
 
 
 @pytest.mark.parametrize("j", [0, 5, 14])  # 0-based index of the wrong proposal
-def test_planted_mismatch_gives_acceptance_j_plus_1(monkeypatch, llama, llama_draft, j):
+def test_planted_mismatch_gives_acceptance_j_plus_1(llama, llama_draft, j):
     ids = torch.tensor([[21, 22, 23, 24]])
     ref = hf_greedy(llama, ids, 33)
-    oracle = _force_proposals(monkeypatch, ref[0, ids.shape[1]:], plant_at=j + 1)
-    oracle.prompt_len = ids.shape[1]
-    res = dflash_generate(llama_draft, llama, ids, 33, None, block_size=16, return_stats=True)
+    oracle = OracleProposer(ref[0, ids.shape[1]:], ids.shape[1], plant_at=j + 1)
+    res = dflash_generate(llama_draft, llama, ids, 33, None, block_size=16, return_stats=True, proposer=oracle)
     assert torch.equal(res.output_ids, ref)  # the target corrects the planted token
     *full, last = res.acceptance_lengths  # the last block may be cut short by max_new_tokens
     assert full and all(a == j + 1 for a in full) and last <= j + 1
@@ -144,22 +146,30 @@ def test_spec_generate_method(llama, llama_draft):
     assert torch.equal(llama_draft.spec_generate(llama, ids, 10, None, 0.0), hf_greedy(llama, ids, 10))
 
 
-def test_draft_vocabulary_keeps_output_exact(monkeypatch, llama):
+class RecordingProposer(gen.DraftProposer):
+    """The draft's own proposer, keeping every token it proposed."""
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.proposed = []
+
+    def propose(self, *args, **kw):
+        block = super().propose(*args, **kw)
+        self.proposed.extend(block.tokens[0].tolist())
+        return block
+
+
+def test_draft_vocabulary_keeps_output_exact(llama):
     """A draft restricted to a vocabulary subset proposes only those ids; output is unchanged."""
     vocab = list(range(0, 96, 3))
     draft = tiny_draft(llama, block_size=8)
     draft.config.draft_vocab = vocab
     proposed = []
-    real = gen._draft
-
-    def spy(*args, **kw):
-        block = real(*args, **kw)
-        proposed.extend(block.tokens[0].tolist())
-        return block
-    monkeypatch.setattr(gen, "_draft", spy)
     ids = torch.tensor([[2, 7, 1, 8]])
     for temperature in (0.0, 1.0):
-        out = dflash_generate(draft, llama, ids, 30, None, temperature, generator=torch.Generator().manual_seed(0))
+        gen_ = torch.Generator().manual_seed(0)
+        spy = RecordingProposer(draft, TargetModel(llama), SamplingParams(temperature), draft.config.mask_token_id, gen_)
+        out = dflash_generate(draft, llama, ids, 30, None, temperature, generator=gen_, proposer=spy)
+        proposed += spy.proposed
         if temperature == 0.0:
             assert torch.equal(out, hf_greedy(llama, ids, 30))
     assert proposed and set(proposed) <= set(vocab)

@@ -29,8 +29,12 @@ from dflash.backends.mlx.loop import (  # noqa: E402
     stream_tokens,
 )
 from dflash.engine.config import DFlashConfig  # noqa: E402
-from dflash.engine.draft import CheckpointError, DFlashDraftModel  # noqa: E402
-from dflash.engine.target import IncompatibleDraftError, TargetModel  # noqa: E402
+from dflash.engine.draft import DFlashDraftModel  # noqa: E402
+from dflash.engine.errors import (
+    CheckpointError,  # noqa: E402
+    IncompatibleDraftError,  # noqa: E402
+)
+from dflash.engine.target import TargetModel  # noqa: E402
 
 VOCAB, EOS = 320, 256
 PROMPT = "hello world, this is a tiny test of speculative decoding"

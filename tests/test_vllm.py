@@ -27,7 +27,8 @@ from dflash.backends.vllm.export import (
 )
 from dflash.bench import vllm as bv
 from dflash.engine.config import DFlashConfig
-from dflash.engine.draft import CheckpointError, DFlashDraftModel
+from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.errors import CheckpointError
 
 DRAFT_TENSORS = {"fc.weight", "hidden_norm.weight", "norm.weight"}
 LAYER_TENSORS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from dflash.engine.loop import DraftHead, _draft, stream_generate
+from dflash.engine.loop import DraftHead, DraftProposer, stream_generate
 from dflash.engine.sampling import SamplingParams
 
 TARGET_NS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -192,17 +192,17 @@ def draft_cost_curve(draft, target, blocks=DRAFT_BLOCKS, context: int = 512, rep
     + the block, lm_head on the proposals, argmax) with `context` tokens in its cache."""
     g = torch.Generator().manual_seed(seed)
     k_h = len(draft.config.target_layer_ids) * target.info.hidden_size
-    cache = draft.new_cache()
     ctx_hidden = torch.randn(1, context, k_h, generator=g)
-    params, mask_id, last = SamplingParams(), draft.config.mask_token_id, torch.tensor([1])
-    head = DraftHead.build(draft, target)  # its draft vocabulary's rows, as the loop uses them
-    _draft(draft, target, cache, ctx_hidden, last, context, 2, mask_id, params, None, head)  # fills the cache
+    last = torch.tensor([1])
+    proposer = DraftProposer(draft, target, SamplingParams(), draft.config.mask_token_id)  # as the loop drafts
+    cache = proposer.cache
+    proposer.propose(ctx_hidden, last, context, 2)  # fills the cache
     times = defaultdict(list)
     for _ in range(repeats + 1):
         for b in blocks:
             one = torch.randn(1, 1, k_h, generator=g)
             t = clock()
-            _draft(draft, target, cache, one, last, context + 1, b, mask_id, params, None, head)
+            proposer.propose(one, last, context + 1, b)
             times[b].append(clock() - t)
             cache.crop_to(context)
     return {"context": context, "blocks": list(blocks), "ms": [median_ms(times[b][1:]) for b in blocks],

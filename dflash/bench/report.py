@@ -156,7 +156,7 @@ def profile_markdown(result: dict) -> str:
     for row in curve["rows"]:
         lines.append(f"| {row['context']} | " + " | ".join(f"{m:.0f} ({m / row['ms'][0]:.2f}x)" for m in row["ms"]) + " |")
         if "rest_head_ms" in row:
-            lines.append(f"| + rows 2..n | " + " | ".join(f"{m:.0f}" for m in row["rest_head_ms"]) + " |")
+            lines.append("| + rows 2..n | " + " | ".join(f"{m:.0f}" for m in row["rest_head_ms"]) + " |")
     d = result["draft_curve"]
     lines += ["", f"Draft step ({d['draft_layers']} layers, context {d['context']}; lm_head and argmax included), "
               "median ms per block size:", "", "| block | " + " | ".join(str(b) for b in d["blocks"]) + " |",

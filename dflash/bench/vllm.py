@@ -10,8 +10,6 @@ from dflash.bench.stats import Record
 
 VLLM_BENCH_MISSING = ("vLLM not found (docs/VLLM.md: scripts/vllm_env.sh, or DFLASH_VLLM_PYTHON): "
                       "vLLM plain and vLLM + draft methods skipped")
-_ENGINES: dict = {}
-_EXPORTED: dict = {}
 
 
 def wanted(settings) -> bool:

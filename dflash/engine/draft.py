@@ -4,9 +4,6 @@ and keys/values from [projected target context ; block], with no causal mask (DF
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +15,7 @@ from torch import nn
 from dflash.engine.cache import DraftCache
 from dflash.engine.config import ConfigError, DFlashConfig
 from dflash.engine.errors import CheckpointError
+from dflash.engine.io import atomic_folder
 
 
 class RMSNorm(nn.Module):
@@ -186,22 +184,13 @@ class DFlashDraftModel(nn.Module):
 
     # ---- checkpoint format (DFLASH.md §4) ----------------------------------------------
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
-        """Write config.json + model.safetensors atomically (a temp folder, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+        """Write config.json + model.safetensors atomically (engine/io.py: a temp folder, then rename)."""
         state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
         cfg = self.config.to_dict()
         cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        if path.exists():
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old."))
-            os.replace(path, old / "x")
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
+        with atomic_folder(path) as tmp:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "DFlashDraftModel":

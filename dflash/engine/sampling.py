@@ -6,40 +6,18 @@ block. Every function works on a batch, with shape comments on each argument."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-RULES = ("rejection", "match")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    # "rejection": the draft samples from its own q, accept with min(1, p/q), recover from
-    # norm(max(0, p - q)); "match": greedy draft, sample the target and accept while equal.
-    rule: str = "rejection"
-
-    def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.rule not in RULES:
-            raise ValueError(f"unknown verification rule {self.rule!r}; use one of {RULES}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from dflash.engine.params import TEMPERATURE_FLOOR
+from dflash.engine.request import RULES, SamplingParams  # noqa: F401  (defined torch-free, used here)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: (..., V) -> float32 probabilities after temperature, top-k, then top-p."""
-    scores = logits.float() / params.temperature  # (..., V)
+    """logits: (..., V) -> float32 probabilities after temperature, top-k, then top-p.
+    The logits are shifted so their maximum is 0 before the division: every score is then <= 0
+    and the largest exactly 0, so no temperature (>= the floor) can overflow to inf or nan."""
+    scores = logits.float()
+    scores = (scores - scores.amax(-1, keepdim=True)) / max(params.temperature, TEMPERATURE_FLOOR)  # (..., V)
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]  # (..., 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,16 +11,7 @@ from torch import nn
 from dflash.engine import static_decoder
 from dflash.engine.cache import StaticTargetCache, TargetCache
 from dflash.engine.config import DFlashConfig
-from dflash.engine.errors import IncompatibleDraftError
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    num_layers: int
-    hidden_size: int
-    vocab_size: int  # rows of the embedding table
-    max_positions: int
-    model_type: str
+from dflash.engine.request import TargetInfo, check_pair
 
 
 class TargetModel:
@@ -118,17 +108,4 @@ def as_target(target) -> TargetModel:
 
 def check_compatible(config: DFlashConfig, target: TargetModel) -> None:
     """Raise IncompatibleDraftError naming every mismatch between draft and target."""
-    info, problems = target.info, []
-    if config.hidden_size != info.hidden_size:
-        problems.append(f"draft hidden_size {config.hidden_size} != target hidden_size {info.hidden_size}")
-    if config.vocab_size != info.vocab_size:
-        problems.append(f"draft vocab_size {config.vocab_size} != target vocabulary {info.vocab_size}")
-    bad = [i for i in config.target_layer_ids if not 0 <= i < info.num_layers]
-    if bad:
-        problems.append(f"target_layer_ids {bad} outside the target's {info.num_layers} layers")
-    if not 0 <= config.mask_token_id < info.vocab_size:
-        problems.append(f"mask_token_id {config.mask_token_id} outside the target vocabulary of {info.vocab_size}")
-    if config.num_target_layers != info.num_layers:
-        problems.append(f"draft was built for a {config.num_target_layers}-layer target, this one has {info.num_layers}")
-    if problems:
-        raise IncompatibleDraftError("draft does not fit this target: " + "; ".join(problems))
+    check_pair(config, target.info)

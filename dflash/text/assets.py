@@ -22,13 +22,14 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Union
 
 import torch
+
+from dflash.engine.io import atomic_folder
 
 __all__ = [
     "AssetError",
@@ -177,9 +178,11 @@ def default_target_dir(progress: bool = True) -> Path:
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     _log(f"dflash: converting {gguf.name} to a dense safetensors folder at {final}", progress)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_TARGET}.tmp-", dir=parent))
-    try:
-        start = time.perf_counter()
+    if final.exists() and not _is_complete(final):
+        # A stale or incomplete folder (older recipe, interrupted copy): replace it.
+        shutil.rmtree(final, ignore_errors=True)
+    start = time.perf_counter()
+    with atomic_folder(final, replace=False) as tmp:  # a concurrent first use that lands first wins
         with _status(f"De-quantising {gguf.name} (about 20-30 s, once)...", progress):
             _convert_gguf(gguf, tmp)
         _make_readable(tmp)
@@ -190,22 +193,9 @@ def default_target_dir(progress: bool = True) -> Path:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        if final.exists() and not _is_complete(final):
-            # A stale or incomplete folder (older recipe, interrupted copy): replace it.
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_complete(final):
-                raise
-            # Another process finished first; use its folder.
-        else:
-            tmp = None
-        _log(f"dflash: default target ready at {final} ({time.perf_counter() - start:.0f} s)",
-             progress)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if not _is_complete(final):
+        raise AssetError(f"the converted target at {final} is incomplete; remove the folder and try again")
+    _log(f"dflash: default target ready at {final} ({time.perf_counter() - start:.0f} s)", progress)
     return final
 
 

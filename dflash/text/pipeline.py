@@ -12,7 +12,7 @@ from dflash.engine.config import DFlashConfig
 from dflash.engine.draft import DFlashDraftModel
 from dflash.engine.target import TargetModel, check_compatible
 
-SHIPPED_DRAFT = Path(__file__).parent / "drafts" / "smollm2-135m-instruct"
+SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-instruct"
 
 
 @dataclass

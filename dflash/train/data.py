@@ -12,7 +12,6 @@ re-run skips finished shards and continues with the first missing one."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.engine.io import atomic_file, atomic_write_text
 from dflash.train.config import DataConfig
 
 
@@ -107,17 +107,11 @@ def load_or_build_prompts(cfg: DataConfig, out: Path) -> list[dict]:
     if path.exists():
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = sharegpt_conversations(cfg) if cfg.source == "prefill" else build_prompts(cfg)
-    _atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
 # ---- shards ---------------------------------------------------------------------------
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}"
@@ -136,10 +130,9 @@ def write_shard(out: Path, index: int, rows: list[dict], feats: list[torch.Tenso
         offset += f.shape[0]
     arr = torch.cat(feats).numpy().astype(np.float16) if feats else np.zeros((0, 0), np.float16)  # (N, k*H)
     name = shard_name(index)
-    tmp = out / f".{name}.feat.tmp.npy"
-    np.save(tmp, arr)
-    os.replace(tmp, out / f"{name}.feat.npy")
-    _atomic_write_text(out / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    with atomic_file(out / f"{name}.feat.npy") as tmp:
+        np.save(tmp, arr)
+    atomic_write_text(out / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _eta(seconds: float) -> str:
@@ -159,7 +152,7 @@ def run_data(cfg: DataConfig, log=print) -> Path:
             raise DataError(f"{out} was started with {diff}: use another --out or the same settings")
     if cfg.responses:
         _check_responses(cfg)
-    _atomic_write_text(cfg_path, json.dumps(asdict(cfg), indent=2) + "\n")
+    atomic_write_text(cfg_path, json.dumps(asdict(cfg), indent=2) + "\n")
     from dflash.text.assets import load_target
 
     model, tok = load_target(cfg.target)

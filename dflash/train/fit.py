@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 import zlib
 from collections import Counter
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from dflash.engine.config import DFlashConfig
 from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.io import atomic_folder, atomic_write_text
 from dflash.engine.target import TargetModel
 from dflash.text.pipeline import stop_token_ids
 from dflash.text.vocab import most_frequent
@@ -176,15 +176,12 @@ class Trainer:
         train_config.json) and point out/latest at it. Rank 0 only."""
         out.mkdir(parents=True, exist_ok=True)
         name = f"ckpt-{self.step:07d}"
-        tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{name}."))
-        self.draft.save_pretrained(tmp / "draft")
-        torch.save({**self.state(), **(extra or {})}, tmp / "trainer.pt")
-        (tmp / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
         final = out / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_text(out / "latest", name + "\n")
+        with atomic_folder(final) as tmp:
+            self.draft.save_pretrained(tmp / "draft")
+            torch.save({**self.state(), **(extra or {})}, tmp / "trainer.pt")
+            (tmp / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+        atomic_write_text(out / "latest", name + "\n")
         for old in sorted(out.glob("ckpt-*"))[:-2]:  # keep the last two
             shutil.rmtree(old, ignore_errors=True)
         return final
@@ -211,12 +208,6 @@ class _null:
 
     def __exit__(self, *a):
         return False
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def latest_checkpoint(out: str | Path) -> Path | None:
@@ -318,7 +309,7 @@ def _keep_if_best(trainer: Trainer, out: Path, row: dict, best: float) -> float:
     if score <= best:
         return best
     trainer.draft.save_pretrained(out / "best")
-    _atomic_text(out / "best.json", json.dumps({"score": score, **row}) + "\n")
+    atomic_write_text(out / "best.json", json.dumps({"score": score, **row}) + "\n")
     return score
 
 
@@ -327,7 +318,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     rows = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
-    _atomic_text(path, "".join(r + "\n" for r in rows))
+    atomic_write_text(path, "".join(r + "\n" for r in rows))
 
 
 def _best_score(out: Path) -> float:

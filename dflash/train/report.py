@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 from pathlib import Path
+
+from dflash.engine.io import atomic_folder
 
 
 def read_metrics(run: str | Path) -> list[dict]:
@@ -93,13 +94,8 @@ def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: st
     }
     from dflash.engine.draft import DFlashDraftModel
 
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    # fp16 on disk halves the repo cost of every re-shipped draft; it loads back as fp32
-    DFlashDraftModel.from_pretrained(src).save_pretrained(tmp, dtype=getattr(torch, dtype))
-    (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)
+    with atomic_folder(dest) as tmp:
+        # fp16 on disk halves the repo cost of every re-shipped draft; it loads back as fp32
+        DFlashDraftModel.from_pretrained(src).save_pretrained(tmp, dtype=getattr(torch, dtype))
+        (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return dest

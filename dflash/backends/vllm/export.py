@@ -22,16 +22,15 @@ and the reference loader read an exported folder unchanged (docs/VLLM.md)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dflash.engine.config import DFlashConfig
-from dflash.engine.draft import CheckpointError, DFlashDraftModel
+from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.errors import CheckpointError
+from dflash.engine.io import atomic_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,20 +142,13 @@ def export_draft(draft: DFlashDraftModel | str | Path, out: str | Path, dtype: s
         raise ExportError("the draft would not run the same in vLLM: " + "; ".join(errors))
     warnings = errors + warnings
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export."))
-    try:
-        draft.save_pretrained(tmp / "d", dtype=DTYPES[name])
+    with atomic_folder(out) as tmp:
+        draft.save_pretrained(tmp, dtype=DTYPES[name])
         cfg = vllm_config_dict(draft.config, name)
-        (tmp / "d" / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        _verify(tmp / "d", state, DTYPES[name])
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        _verify(tmp, state, DTYPES[name])
         if readme:
-            (tmp / "d" / "README.md").write_text(model_card(draft.config, name, out))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp / "d", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "README.md").write_text(model_card(draft.config, name, out))
     n_params = sum(v.numel() for v in state.values())
     return ExportReport(out, name, len(state), n_params, warnings)
 

