@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dflash.engine.errors import GenerationError, IncompatibleDraftError
+from dflash.engine.params import effective_temperature
 
 RULES = ("rejection", "match")
 
@@ -26,6 +27,7 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        object.__setattr__(self, "temperature", effective_temperature(self.temperature))  # below the floor: greedy
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
