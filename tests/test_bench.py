@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 
 from dflash.bench import methods as bench_methods
 from dflash.bench import runner as bench
@@ -21,6 +20,7 @@ from dflash.bench.stats import (
 )
 from dflash.cli.bench import add_bench
 from dflash.engine.target import TargetModel
+from dflash.testing import tiny_draft, tiny_target
 from dflash.text.pipeline import Pipeline
 from dflash.text.prompts import Prompt, PromptFileError
 

@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_draft
 from safetensors.torch import save_file
 
 from dflash.model import CheckpointError, DFlashDraftModel, dflash_generate
+from dflash.testing import tiny_draft
 
 
 def _draft_inputs(draft, ctx_len=7, block=8, seed=0):

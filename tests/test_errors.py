@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 
 from dflash.model import GenerationError, IncompatibleDraftError, dflash_generate
+from dflash.testing import tiny_draft, tiny_target
 
 
 def test_empty_prompt(llama, llama_draft):

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 
 from dflash.engine import loop as gen
 from dflash.engine.cache import StaticTargetCache
@@ -10,6 +9,7 @@ from dflash.engine.errors import GenerationError
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.target import TargetModel
 from dflash.model import dflash_generate
+from dflash.testing import tiny_draft, tiny_target
 
 
 def hf_greedy(model, ids, max_new_tokens, stop=None):

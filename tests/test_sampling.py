@@ -5,11 +5,11 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 from scipy.stats import chisquare
 
 from dflash.engine.sampling import SamplingParams, probabilities, verify_rejection
 from dflash.model import dflash_generate
+from dflash.testing import tiny_draft, tiny_target
 
 V = 4  # a tiny vocabulary so the exact joint law of three tokens (64 cells) can be enumerated
 

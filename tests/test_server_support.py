@@ -1,61 +1,31 @@
 """Helpers for the server and chat tests: a tiny random pipeline (no downloads, no 135M
-model) and a live server on a loopback port, run in a thread."""
+model), a live server on a loopback port run in a thread, `dflash serve` as a process on a
+tiny model saved to a folder, the offline answers to compare with, /metrics parsed."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
+import httpx
+import openai
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from prometheus_client.parser import text_string_to_metric_families
 
-from dflash.engine.config import DFlashConfig
-from dflash.engine.draft import DFlashDraftModel
-from dflash.engine.target import TargetModel
+from dflash.engine.loop import dflash_generate
+from dflash.testing import tiny_pipeline, tiny_tokenizer  # noqa: F401  (re-exported for the server tests)
+from dflash.text.detok import complete_text
 from dflash.text.pipeline import Pipeline
 
-SPECIALS = ["<|unused|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts a block of tokens",
-          "the target verifies every draft token in one pass", "hello world, how are you today?",
-          "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber stra\u00dfe", "\u65e5\u672c\u8a9e \u4e2d\u6587 \U0001f600"]
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE (so any text encodes, and bytes can split characters) trained here."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def tiny_pipeline(seed: int = 0, block_size: int = 4, max_positions: int = 256, perfect: bool = False) -> Pipeline:
-    """A random 2-layer Llama target and a random 1-layer draft. perfect=True zeroes the
-    target's lm_head, so target and draft both always pick token 0 (a non-stop special):
-    every draft token is accepted, which exercises the acceptance counters.
-
-    Tiny models run fastest on one thread, and the test machine's cores are shared."""
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    tok = tiny_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                      tie_word_embeddings=not perfect)
-    target = LlamaForCausalLM(cfg).eval()
-    if perfect:
-        target.lm_head.weight.data.zero_()
-    dcfg = DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=block_size,
-                                   mask_token_id=tok.convert_tokens_to_ids("<|MASK|>"))
-    return Pipeline(TargetModel(target), DFlashDraftModel(dcfg).eval(), tok, draft_trained=False)
+MODEL = "tiny"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_socket() -> socket.socket:
@@ -96,3 +66,101 @@ class LiveServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def offline(pipe, ids, max_tokens, temperature=0.0, seed=None, **kw) -> str:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    out = dflash_generate(pipe.draft, pipe.target, ids, max_tokens, pipe.stop_token_ids, temperature,
+                          generator=gen, **kw)
+    return complete_text(pipe.tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+
+
+def offline_text(pipe, prompt, max_tokens, **kw):
+    return offline(pipe, pipe.encode_text(prompt), max_tokens, **kw)
+
+
+def offline_chat(pipe, messages, max_tokens, **kw):
+    return offline(pipe, pipe.encode_chat(messages), max_tokens, **kw)
+
+
+def metrics(url: str) -> dict:
+    """Samples of /metrics, parsed by prometheus-client: {(name, labels): value}."""
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def wait_for(cond, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def save_tiny_model(folder: Path, **kw) -> Path:
+    """A tiny random target (tiny_pipeline's) and its tokenizer as an HF folder, for
+    `dflash serve --target FOLDER --draft random`."""
+    pipe = tiny_pipeline(**kw)
+    pipe.target.model.save_pretrained(folder)
+    pipe.tokenizer.save_pretrained(folder)
+    return folder
+
+
+class ServeProcess:
+    """`dflash serve ARGS` as a child process on 127.0.0.1:<free port>; entering waits (up to
+    `start_timeout` s) until /health answers 200; leaving kills it if it is still running."""
+
+    def __init__(self, *args: str, env: dict | None = None, start_timeout: float = 240):
+        sock = free_socket()
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args, self.start_timeout = args, start_timeout
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: the child never blocks on it
+
+    def __enter__(self) -> "ServeProcess":
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.cli", "serve", "--port", str(self.port),
+                                      "--threads", "1", "--log-level", "warning", *self.args], env=self.env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"dflash serve did not start: {self.output()}")
+            time.sleep(0.25)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
 from safetensors import safe_open
 
 from dflash.backends.vllm import worker as vb
@@ -29,6 +28,7 @@ from dflash.bench import vllm as bv
 from dflash.engine.config import DFlashConfig
 from dflash.engine.draft import DFlashDraftModel
 from dflash.engine.errors import CheckpointError
+from dflash.testing import tiny_draft, tiny_target
 
 DRAFT_TENSORS = {"fc.weight", "hidden_norm.weight", "norm.weight"}
 LAYER_TENSORS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",

@@ -1,0 +1,98 @@
+"""Tiny random models for tests, ours and yours: a few-layer Llama / Qwen3 / Gemma3 target with
+a 96-token vocabulary, a matching random draft, a byte-level tokenizer trained on a few lines,
+and a whole `Pipeline` of them. Nothing is downloaded; everything is seeded. Exactness tests
+run on these in seconds (greedy output must equal the target's own, whatever the weights)."""
+
+from __future__ import annotations
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+SPECIALS = ["<|unused|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["the quick brown fox jumps over the lazy dog", "speculative decoding drafts a block of tokens",
+          "the target verifies every draft token in one pass", "hello world, how are you today?",
+          "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber stra\u00dfe", "\u65e5\u672c\u8a9e \u4e2d\u6587 \U0001f600"]
+
+
+def tiny_target(family: str, seed: int = 0, **overrides):
+    """A random HF causal LM: "llama", "qwen3" or "gemma3" (three sliding-window layers of
+    width 4, one global layer)."""
+    import torch
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    kw = {**TINY, **overrides}
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kw))
+    elif family == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(head_dim=16, sliding_window=4, layer_types=[
+            "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"], **kw))
+    else:
+        raise ValueError(f"unknown tiny target family {family!r}: use llama, qwen3 or gemma3")
+    return model.eval()
+
+
+def tiny_draft(target, seed: int = 1, layers: int = 2, block_size: int = 8, **kw):
+    """A random DFlash draft shaped for `target` (an HF model)."""
+    import torch
+
+    from dflash.engine.config import DFlashConfig
+    from dflash.engine.draft import DFlashDraftModel
+
+    torch.manual_seed(seed)
+    return DFlashDraftModel(DFlashConfig.for_target(target.config, num_hidden_layers=layers,
+                                                    block_size=block_size, **kw)).eval()
+
+
+def tiny_tokenizer():
+    """A byte-level BPE (so any text encodes, and bytes can split characters) trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_pipeline(seed: int = 0, block_size: int = 4, max_positions: int = 256, perfect: bool = False):
+    """A random 2-layer Llama target and a random 1-layer draft with `tiny_tokenizer`.
+    perfect=True zeroes the target's lm_head, so target and draft both always pick token 0 (a
+    non-stop special): every draft token is accepted, which exercises the acceptance counters.
+    Tiny models run fastest on one thread."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.engine.config import DFlashConfig
+    from dflash.engine.draft import DFlashDraftModel
+    from dflash.engine.target import TargetModel
+    from dflash.text.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      tie_word_embeddings=not perfect)
+    target = LlamaForCausalLM(cfg).eval()
+    if perfect:
+        target.lm_head.weight.data.zero_()
+    dcfg = DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=block_size,
+                                   mask_token_id=tok.convert_tokens_to_ids("<|MASK|>"))
+    return Pipeline(TargetModel(target), DFlashDraftModel(dcfg).eval(), tok, draft_trained=False)
