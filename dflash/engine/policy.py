@@ -2,15 +2,13 @@
 step, whether to run the draft at all (`draft_now`), then how many of the K proposals to verify
 given the draft's own probability of each (`verify_count`), and tells it what was accepted
 (`observe`). A policy sees only the past and the draft's numbers, never the target's verdict on
-this step, so every policy keeps the output exact (greedy and sampled)."""
+this step, so every policy keeps the output exact (greedy and sampled). No torch: the draft's
+probabilities come as any 1-d array with `tolist()` (a torch tensor, an mx or numpy array) or a
+sequence of floats, so the torch and MLX loops share the policies."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
-
-from dflash.engine.sampling import accepted_prefix
+from typing import Protocol, Sequence
 
 
 class VerifyPolicy(Protocol):
@@ -18,7 +16,7 @@ class VerifyPolicy(Protocol):
 
     def draft_now(self) -> bool: ...
 
-    def verify_count(self, conf: torch.Tensor | None, proposed: int) -> int: ...
+    def verify_count(self, conf: Sequence[float] | None, proposed: int) -> int: ...
 
     def observe(self, proposed: int, accepted: int) -> None: ...
 
@@ -34,11 +32,12 @@ class ThresholdPolicy:
     def draft_now(self) -> bool:
         return True
 
-    def verify_count(self, conf: torch.Tensor | None, proposed: int) -> int:
-        """conf: (K,) the draft's probability of each proposal."""
+    def verify_count(self, conf: Sequence[float] | None, proposed: int) -> int:
+        """conf: (K,) the draft's probability of each proposal -> the leading ones >= threshold."""
         if not self.needs_confidence or conf is None:
             return proposed
-        return int(accepted_prefix((conf >= self.threshold)[None])[0])
+        values = conf.tolist() if hasattr(conf, "tolist") else list(conf)  # (K,) floats
+        return next((i for i, c in enumerate(values) if not c >= self.threshold), len(values))
 
     def observe(self, proposed: int, accepted: int) -> None:
         pass
