@@ -305,7 +305,8 @@ def test_prefill_features_rebuild_what_the_generator_captured(kind, static):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in (4, 12, 7)]
     got = generate_batch(target, prompts, LAYERS, 15, stop_ids=[], pad_id=0, static=static)
-    rebuilt = prefill_features(target, [r.prompt_ids + r.response_ids for r in got], LAYERS, static=static)
+    rebuilt, soft = prefill_features(target, [r.prompt_ids + r.response_ids for r in got], LAYERS, static=static)
+    assert soft is None  # no topk asked
     for r, f in zip(got, rebuilt):
         assert f.dtype == torch.float16 and f.shape == r.features.shape
         assert torch.allclose(f.float(), r.features.float(), atol=2e-2)
@@ -340,7 +341,7 @@ def test_stored_responses_rebuild_a_shard_and_refuse_a_different_run(tmp_path):
     _check_responses(cfg)
     assert _stored_shard(cfg, 1, chunk) is None  # not kept: regenerate
     stored = _stored_shard(cfg, 2, chunk)
-    new_rows, feats = _rebuild_shard(target, stored, LAYERS)
+    new_rows, feats, _ = _rebuild_shard(target, stored, LAYERS)
     assert new_rows == rows
     new = tmp_path / "new"
     new.mkdir()

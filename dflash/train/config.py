@@ -67,6 +67,9 @@ class DataConfig:
     max_prompt_tokens: int = 320
     max_new_tokens: int = 192
     temperature: float = 0.0
+    # soft labels: the target's top-k log-probabilities (and the log of the remaining mass) over
+    # every response token, kept in shard-N.topk.npz beside the features; 0: hard labels only
+    topk: int = 32
     batch_size: int = 32
     shard_size: int = 64
     threads: int = 1

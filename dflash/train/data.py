@@ -5,6 +5,9 @@ Layout of an output folder:
   prompts.jsonl          the frozen, deduplicated, leak-checked prompt list (written once)
   data_config.json       the DataConfig used
   shard-00000.feat.npy   fp16 features (N_tokens, k*H) of the shard's sequences, concatenated
+  shard-00000.topk.npz   soft labels (when --topk > 0): the target's top-k over every response
+                         token, the sequences' responses concatenated in row order: ids int32
+                         (R, k), logprobs fp16 (R, k), rest fp16 (R,) (log of the mass left)
   shard-00000.jsonl      one line per sequence: id, dataset, prompt_ids, response_ids, offset
 The .jsonl is renamed into place last: a shard exists exactly when its .jsonl does, so a
 re-run skips finished shards and continues with the first missing one."""
@@ -21,6 +24,7 @@ import torch
 
 from dflash.engine.io import atomic_file, atomic_write_text
 from dflash.train.config import DataConfig
+from dflash.train.generator import Generated, SoftLabels
 
 
 class DataError(RuntimeError):
@@ -121,9 +125,11 @@ def finished_shards(out: Path) -> list[int]:
     return sorted(int(p.name[6:11]) for p in out.glob("shard-*.jsonl"))
 
 
-def write_shard(out: Path, index: int, rows: list[dict], feats: list[torch.Tensor]) -> None:
-    """rows[i] describes the sequence whose features are feats[i]; its `offset` (first row in
-    the shard's feature array) is set here."""
+def write_shard(out: Path, index: int, rows: list[dict], feats: list[torch.Tensor],
+                soft: list[SoftLabels] | None = None) -> None:
+    """rows[i] describes the sequence whose features are feats[i] (and soft labels soft[i],
+    one row per response token); its `offset` (first row in the shard's feature array) is set
+    here. The soft labels' rows follow the responses in row order."""
     offset = 0
     for r, f in zip(rows, feats):
         r["offset"] = offset
@@ -132,6 +138,15 @@ def write_shard(out: Path, index: int, rows: list[dict], feats: list[torch.Tenso
     name = shard_name(index)
     with atomic_file(out / f"{name}.feat.npy") as tmp:
         np.save(tmp, arr)
+    if soft is not None:
+        bad = [r["id"] for r, s in zip(rows, soft) if len(s) != len(r["response_ids"])]
+        if len(soft) != len(rows) or bad:
+            raise DataError(f"shard {index}: soft labels do not match the responses ({bad[:3]})")
+        both = SoftLabels.cat(soft) if soft else SoftLabels(torch.zeros(0, 0, dtype=torch.int32),
+                                                              torch.zeros(0, 0, dtype=torch.float16),
+                                                              torch.zeros(0, dtype=torch.float16))
+        with atomic_file(out / f"{name}.topk.npz") as tmp:
+            np.savez(tmp, ids=both.ids.numpy(), logprobs=both.logprobs.numpy(), rest=both.rest.numpy())
     atomic_write_text(out / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -174,11 +189,11 @@ def run_data(cfg: DataConfig, log=print) -> Path:
         chunk = rows[index * cfg.shard_size:(index + 1) * cfg.shard_size]
         stored = _stored_shard(cfg, index, chunk)
         if stored is not None:
-            out_rows, feats = _rebuild_shard(model, stored, cfg.layer_ids)
+            out_rows, feats, soft = _rebuild_shard(model, stored, cfg.layer_ids, cfg.topk)
         else:
-            out_rows, feats = _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen)
+            out_rows, feats, soft = _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen)
         new_tokens += sum(len(r["response_ids"]) for r in out_rows)
-        write_shard(out, index, out_rows, feats)
+        write_shard(out, index, out_rows, feats, soft)
         el = time.time() - start
         rate = new_tokens / max(el, 1e-9)
         log(f"[{'#' * int(20 * (j + 1) / len(todo)):<20}] shard {index + 1}/{n_shards}  "
@@ -187,9 +202,9 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     return out
 
 
-def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen) -> tuple[list[dict], list[torch.Tensor]]:
+def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen):
     """Responses for one shard's prompts, written by the target (or, for the prefill source,
-    labelled by it), and the features of every token it consumed."""
+    labelled by it), the features of every token it consumed and its soft labels (or None)."""
     enc = []
     for r in chunk:
         ids = tok.apply_chat_template([{"role": "user", "content": r["content"]}], tokenize=False, add_generation_prompt=True)
@@ -197,7 +212,7 @@ def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen) -> tuple[list[dict], 
         if len(ids) <= cfg.max_prompt_tokens:
             enc.append((r, ids))
     enc.sort(key=lambda x: len(x[1]))
-    out_rows, feats = [], []
+    out_rows, feats, soft = [], [], []
     for b in range(0, len(enc), cfg.batch_size):
         batch = enc[b:b + cfg.batch_size]
         if cfg.source == "prefill":
@@ -210,7 +225,8 @@ def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen) -> tuple[list[dict], 
             if g.label_ids is not None:
                 out_rows[-1]["label_ids"] = g.label_ids
             feats.append(g.features)
-    return out_rows, feats
+            soft.append(g.soft)
+    return out_rows, feats, (soft if cfg.topk > 0 else None)
 
 
 # ---- stored responses -------------------------------------------------------------------
@@ -257,20 +273,20 @@ def _stored_shard(cfg: DataConfig, index: int, chunk: list[dict]) -> list[dict] 
     return stored
 
 
-def _rebuild_shard(model, stored: list[dict], layer_ids: list[int]) -> tuple[list[dict], list[torch.Tensor]]:
-    """A shard from stored responses: the same rows, the features from one prefill each."""
+def _rebuild_shard(model, stored: list[dict], layer_ids: list[int], topk: int = 0):
+    """A shard from stored responses: the same rows, the features (and with `topk` the soft
+    labels, else None) from one prefill each."""
     from dflash.train.generator import prefill_features
 
-    return [dict(r) for r in stored], prefill_features(model, [r["prompt_ids"] + r["response_ids"] for r in stored],
-                                                       layer_ids)
+    feats, soft = prefill_features(model, [r["prompt_ids"] + r["response_ids"] for r in stored], layer_ids,
+                                   prompt_lens=[len(r["prompt_ids"]) for r in stored], topk=topk)
+    return [dict(r) for r in stored], feats, soft
 
 
 @torch.inference_mode()
 def _prefill(model, tok, batch, cfg, stop_ids, pad):
     """One right-padded target forward over prompt + existing reply: features of every token
     and the target's argmax next token at every position (the labels)."""
-    from dflash.train.generator import Generated
-
     seqs = []
     for r, ids in batch:
         reply = tok(r["reply"], add_special_tokens=False).input_ids[: cfg.max_new_tokens - 1] + [stop_ids[0]]
@@ -289,14 +305,16 @@ def _prefill(model, tok, batch, cfg, stop_ids, pad):
     for i, (p, q) in enumerate(seqs):
         n = len(p) + len(q)
         labels = [p[0]] + pred[i, : n - 1].tolist()  # labels[t] = target's token at position t
-        res.append(Generated(p, q, feats[i, : n - 1].clone(), True, labels))
+        soft = SoftLabels.from_logits(out.logits[i, len(p) - 1: n - 1], cfg.topk) if cfg.topk > 0 else None
+        res.append(Generated(p, q, feats[i, : n - 1].clone(), True, labels, soft))
     return res
 
 
 def _generate(model, prompts, cfg, stop_ids, pad, gen):
     from dflash.train.generator import generate_batch
 
-    return generate_batch(model, prompts, cfg.layer_ids, cfg.max_new_tokens, stop_ids, pad, cfg.temperature, gen)
+    return generate_batch(model, prompts, cfg.layer_ids, cfg.max_new_tokens, stop_ids, pad, cfg.temperature, gen,
+                          topk=cfg.topk)
 
 
 # ---- reading --------------------------------------------------------------------------
@@ -309,6 +327,7 @@ class Sequence:
     prompt_len: int
     features: np.ndarray  # (L-1, k*H) fp16, a memory map
     label_ids: torch.Tensor | None = None  # (L,) the target's token at each position; None: the tokens themselves
+    soft: SoftLabels | None = None  # the target's top-k over response tokens 0..R-1 (positions prompt_len..L-1)
 
     @property
     def labels(self) -> torch.Tensor:
@@ -324,16 +343,35 @@ def load_sequences(folder: str | Path, min_response: int = 2, shards: list[int] 
     seqs = []
     for i in shards:
         feats = np.load(folder / f"{shard_name(i)}.feat.npy", mmap_mode="r")
-        for line in (folder / f"{shard_name(i)}.jsonl").read_text().splitlines():
-            r = json.loads(line)
+        rows = [json.loads(line) for line in (folder / f"{shard_name(i)}.jsonl").read_text().splitlines()]
+        soft = _load_soft(folder, i, rows)
+        for r in rows:
             if len(r["response_ids"]) < min_response:
                 continue
             ids = r["prompt_ids"] + r["response_ids"]
             n = len(ids) - 1
             labels = torch.tensor(r["label_ids"]) if "label_ids" in r else None
             seqs.append(Sequence(r["id"], r["dataset"], torch.tensor(ids), len(r["prompt_ids"]),
-                                 feats[r["offset"]:r["offset"] + n], labels))
+                                 feats[r["offset"]:r["offset"] + n], labels, soft.get(r["id"]) if soft else None))
     return seqs
+
+
+def _load_soft(folder: Path, index: int, rows: list[dict]) -> dict[str, SoftLabels] | None:
+    """Shard `index`'s soft labels by sequence id, or None for a shard written without them."""
+    path = folder / f"{shard_name(index)}.topk.npz"
+    if not path.exists():
+        return None
+    with np.load(path) as z:
+        ids, lp, rest = (torch.from_numpy(z[k]) for k in ("ids", "logprobs", "rest"))
+    total = sum(len(r["response_ids"]) for r in rows)
+    if ids.shape[0] != total:
+        raise DataError(f"{path} has {ids.shape[0]} rows, the shard's responses {total} tokens")
+    out, at = {}, 0
+    for r in rows:
+        n = len(r["response_ids"])
+        out[r["id"]] = SoftLabels(ids[at:at + n], lp[at:at + n], rest[at:at + n])
+        at += n
+    return out
 
 
 def data_layer_ids(folder: str | Path) -> list[int]:

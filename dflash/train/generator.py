@@ -20,6 +20,31 @@ class Generated:
     features: torch.Tensor  # (len(prompt)+len(response)-1, k*H) fp16: hidden of every token fed to the target
     finished: bool  # True when a stop token ended it
     label_ids: list[int] | None = None  # the target's token at each position, when it differs from the tokens
+    soft: "SoftLabels | None" = None  # the target's distribution over each response token
+
+
+@dataclass
+class SoftLabels:
+    """The target's next-token distribution at R positions, kept as its top k: ids (R, k)
+    int32, their log-probabilities (R, k) fp16, and the log of the remaining mass (R,) fp16."""
+    ids: torch.Tensor  # (R, k) int32
+    logprobs: torch.Tensor  # (R, k) fp16
+    rest: torch.Tensor  # (R,) fp16
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, k: int) -> "SoftLabels":
+        """logits (R, V) -> the top k of their softmax and the log of what is left."""
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+        top, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)  # (R, k)
+        rest = torch.log((1.0 - top.exp().sum(-1)).clamp(min=1e-10))  # (R,)
+        return cls(ids.int().cpu(), top.half().cpu(), rest.half().cpu())
+
+    @classmethod
+    def cat(cls, parts: list["SoftLabels"]) -> "SoftLabels":
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("ids", "logprobs", "rest")))
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
 
 
 def _cache_kwargs(model, cache) -> dict:
@@ -97,11 +122,13 @@ class _StaticSteps:
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
                    stop_ids: list[int], pad_id: int, temperature: float = 0.0,
-                   generator: torch.Generator | None = None, static: bool | None = None) -> list[Generated]:
+                   generator: torch.Generator | None = None, static: bool | None = None,
+                   topk: int = 0) -> list[Generated]:
     """Generate for a batch of tokenized prompts. The features of a sequence are the hidden
     states of the tokens the target consumed: all prompt tokens and all response tokens but
     the last (which was only produced). Finished rows leave the batch (and its cache).
-    `static`: use the lean static-buffer forward (default: when the model supports it)."""
+    `static`: use the lean static-buffer forward (default: when the model supports it).
+    `topk` > 0: also keep the target's top-k distribution over every response token (`soft`)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     b, dev = len(prompts), model.get_input_embeddings().weight.device
@@ -126,12 +153,15 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
     stopped = torch.zeros(b, dtype=torch.bool, device=dev)  # (B,) ended by a stop token
     alive = torch.arange(b, device=dev)  # (A,) original rows still in the batch
     live = torch.ones(b, dtype=torch.bool, device=dev)  # (A,) still generating (a finished row waits for a compaction)
+    soft = _SoftBuffer(b, max_new_tokens, topk) if topk > 0 else None
     step_ids, step_pos, t = ids, pos, 0
     for s in range(max_new_tokens):
         logits, f = (steps.prefill if s == 0 else steps)(step_ids, step_pos)  # (A, V), (A, T_step, k*H)
         feats[alive, t:t + f.shape[1]] = f.half()
         t += f.shape[1]
         logits = logits.float()
+        if soft is not None:
+            soft.put(alive[live].cpu(), s, SoftLabels.from_logits(logits[live], topk))
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]  # (A,)
@@ -154,29 +184,55 @@ def generate_batch(model, prompts: list[list[int]], layer_ids: list[int], max_ne
         resp = tokens[i, :n_out[i]].tolist()
         n_in = lengths[i] + len(resp) - 1  # tokens the target consumed for this row
         f = feats[i, width - lengths[i]: width - lengths[i] + n_in].clone()  # (n_in, k*H)
-        results.append(Generated(prompts[i], resp, f, bool(stopped[i])))
+        results.append(Generated(prompts[i], resp, f, bool(stopped[i]),
+                                 soft=soft.row(i, len(resp)) if soft is not None else None))
     return results
 
 
+class _SoftBuffer:
+    """The top-k distributions of a generating batch, by (row, step)."""
+
+    def __init__(self, b: int, n: int, k: int):
+        self.ids = torch.zeros(b, n, k, dtype=torch.int32)  # (B, N, k)
+        self.logprobs = torch.zeros(b, n, k, dtype=torch.float16)  # (B, N, k)
+        self.rest = torch.zeros(b, n, dtype=torch.float16)  # (B, N)
+
+    def put(self, rows: torch.Tensor, step: int, soft: SoftLabels) -> None:
+        self.ids[rows, step], self.logprobs[rows, step], self.rest[rows, step] = soft.ids, soft.logprobs, soft.rest
+
+    def row(self, i: int, n: int) -> SoftLabels:
+        return SoftLabels(self.ids[i, :n].clone(), self.logprobs[i, :n].clone(), self.rest[i, :n].clone())
+
+
 @torch.inference_mode()
-def prefill_features(model, sequences: list[list[int]], layer_ids: list[int],
-                     static: bool | None = None) -> list[torch.Tensor]:
+def prefill_features(model, sequences: list[list[int]], layer_ids: list[int], static: bool | None = None,
+                     prompt_lens: list[int] | None = None, topk: int = 0
+                     ) -> tuple[list[torch.Tensor], list[SoftLabels] | None]:
     """The features `generate_batch` would have captured for sequences it wrote (prompt +
     response): one target forward per sequence over every token but the last, without
-    padding. Rebuilds a data shard from stored responses at the cost of a prefill."""
+    padding. Rebuilds a data shard from stored responses at the cost of a prefill. With
+    `topk` > 0 (and each sequence's prompt length) also the top-k distributions over the
+    response tokens, as `generate_batch(topk=...)` keeps them; else None."""
     dev = model.get_input_embeddings().weight.device
     if static is None:
         static = static_decoder.supports(model)
-    out = []
-    for seq in sequences:
+    if topk > 0 and (prompt_lens is None or len(prompt_lens) != len(sequences)):
+        raise ValueError("prefill_features with topk needs one prompt length per sequence")
+    feats, softs = [], [] if topk > 0 else None
+    for j, seq in enumerate(sequences):
         ids = torch.tensor(seq[:-1], device=dev)[None]  # (1, n): the tokens the target consumed
         pos = torch.arange(ids.shape[1], device=dev)[None]  # (1, n)
+        start = prompt_lens[j] - 1 if topk > 0 else ids.shape[1] - 1  # the first position whose logits we keep
         if static:
             kv = static_decoder.KVBuffer(model, 1, ids.shape[1])
-            _, f = static_decoder.forward(model, ids, pos, kv, None, layer_ids)  # (1, n, k*H)
+            final, f = static_decoder.forward(model, ids, pos, kv, None, layer_ids)  # (1, n, H), (1, n, k*H)
+            logits = model.get_output_embeddings()(final[0, start:]) if topk > 0 else None  # (R, V)
         else:
-            hs = model(input_ids=ids, position_ids=pos, output_hidden_states=True, use_cache=False,
-                       logits_to_keep=1).hidden_states
-            f = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)  # (1, n, k*H)
-        out.append(f[0].half().cpu())
-    return out
+            out = model(input_ids=ids, position_ids=pos, output_hidden_states=True, use_cache=False,
+                        logits_to_keep=ids.shape[1] - start)
+            f = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (1, n, k*H)
+            logits = out.logits[0]  # (R, V)
+        feats.append(f[0].half().cpu())
+        if topk > 0:
+            softs.append(SoftLabels.from_logits(logits, topk))
+    return feats, softs
