@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from dflash.bench.stats import Record
-from dflash.engine.loop import stream_generate
+from dflash.engine.loop import DraftHead, DraftProposer, stream_generate
 from dflash.engine.sampling import SamplingParams
 
 BASELINE = "target"  # the target alone through HF generate: every speedup is against it
@@ -108,22 +107,20 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
     vocab: dict[int, list[int]] = {}  # the draft vocabulary per pipeline, built on first use
 
     def run(pipe, input_ids, max_new_tokens) -> Record:
-        if draft_vocab:
-            if id(pipe) not in vocab:
-                vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
-            with draft_vocabulary(pipe.draft, vocab[id(pipe)]):
-                return _run(pipe, input_ids, max_new_tokens)
-        return _run(pipe, input_ids, max_new_tokens)
-
-    def _run(pipe, input_ids, max_new_tokens) -> Record:
         gen = torch.Generator().manual_seed(settings.seed) if settings.temperature > 0 else None
         params = SamplingParams(settings.temperature)
+        proposer = None
+        if draft_vocab and block_size > 1:  # the draft proposes from the K most frequent ids only
+            if id(pipe) not in vocab:
+                vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
+            proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
+                                     head=DraftHead.of(vocab[id(pipe)], pipe.target))
         tokens, steps, ttft, finish = [], [], 0.0, "length"
         with PeakMemory() as mem:
             start = time.perf_counter()
             for i, step in enumerate(stream_generate(pipe.draft if block_size > 1 else None, pipe.target, input_ids,
                                                      max_new_tokens, pipe.stop_token_ids, params, block_size,
-                                                     None, gen, draft_threshold=threshold)):
+                                                     None, gen, draft_threshold=threshold, proposer=proposer)):
                 if i == 0:
                     ttft = time.perf_counter() - start
                 else:
@@ -136,21 +133,9 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
     return run
 
 
-@contextmanager
-def draft_vocabulary(draft, ids: list[int] | None):
-    """While active, the draft proposes from `ids` only (the engine's `draft_vocab`: its
-    lm_head scores those rows); None: the full vocabulary. Output stays exact."""
-    saved = draft.config.draft_vocab
-    draft.config.draft_vocab = ids
-    try:
-        yield
-    finally:
-        draft.config.draft_vocab = saved
-
-
 def frequent_vocabulary(pipe, size: int) -> list[int]:
     """The `size` most frequent ids of the ShareGPT train prompts (plus the stop tokens),
-    as `python -m dflash.draft_vocab` writes them into a checkpoint."""
+    as `python -m dflash.text.vocab` writes them into a checkpoint."""
     from dflash.text.prompts import sharegpt
     from dflash.text.vocab import frequent_ids
 

@@ -6,15 +6,16 @@ import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from dflash.engine.stats import SpecStats, fold
+
 
 @dataclass
 class Record:
     """One method on one prompt. `steps` holds (proposed, accepted, committed) per verify
     step of a speculative method: draft tokens proposed, of which accepted, tokens committed
     (accepted + the target's own token, fewer when a stop token cut the step short).
-    proposed = -1: the method does not say how many it proposed (HF prompt lookup). tau
-    counts every step after the prefill, as `GenerationResult.tau` does (a last step cut to
-    one token by max_new_tokens proposes nothing and commits 1)."""
+    proposed = -1: the method does not say how many it proposed (HF prompt lookup). tau is
+    the engine's one definition (engine/stats.py): tokens per verify step with proposals."""
     method: str
     output_ids: list[int]  # the new tokens only
     num_input_tokens: int
@@ -45,16 +46,23 @@ class Record:
         d["steps"] = [list(s) for s in self.steps]
         lengths = self.acceptance_lengths
         block = max([p + 1 for p, _, _ in self.steps] + lengths + [1])
-        d.update(num_output_tokens=self.num_output_tokens, acceptance_lengths=lengths, tau=tau(lengths),
+        d.update(num_output_tokens=self.num_output_tokens, acceptance_lengths=lengths, tau=tau(self.steps),
                  tau_histogram=histogram(lengths, block) if lengths else [],
                  position_acceptance=per_position_acceptance(self.steps, block) if lengths else [],
                  tokens_per_s=round(self.tokens_per_s, 3))
         return d
 
 
-def tau(acceptance_lengths: list[int]) -> float | None:
-    """Mean acceptance length (accepted + 1 per step, vLLM's convention); None without steps."""
-    return sum(acceptance_lengths) / len(acceptance_lengths) if acceptance_lengths else None
+def spec_stats(steps: list[tuple[int, int, int]]) -> SpecStats:
+    """The engine's fold of (proposed, accepted, committed) steps. proposed = -1 (unknown, HF
+    prompt lookup) counts as a verify step with proposals, `accepted` of them known."""
+    return fold((max(a, 1) if p < 0 else p, a, c) for p, a, c in steps)
+
+
+def tau(steps: list[tuple[int, int, int]]) -> float | None:
+    """Mean acceptance length (vLLM's; engine/stats.py); None when no step had proposals."""
+    stats = spec_stats(steps)
+    return stats.mean_acceptance_length if stats.num_drafts else None
 
 
 def histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
@@ -124,7 +132,7 @@ def summarize(records: list[Record], dataset: str, method: str, baseline: str, b
         b_tps = median([base[r.dataset, r.prompt_id].tokens_per_s for r in paired])
         speedup = m_tps / b_tps if m_tps and b_tps else None
     ratios = paired_speedups(rs + list(base.values()), method, baseline)
-    return Summary(dataset, method, len(rs), sum(r.num_output_tokens for r in rs), tau(lengths),
+    return Summary(dataset, method, len(rs), sum(r.num_output_tokens for r in rs), tau(steps),
                    histogram(lengths, block_size), per_position_acceptance(steps, block_size),
                    median([r.tokens_per_s for r in rs]), _ms(median([r.time_to_first_token for r in rs])),
                    speedup, median(list(ratios.values())), max((r.peak_memory_mb for r in rs), default=None))

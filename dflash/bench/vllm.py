@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 from dflash.backends.vllm.worker import engine_for, vllm_python
-from dflash.bench.stats import Record
+from dflash.bench.stats import Record, spec_stats
+from dflash.engine.stats import SpecStats
 
 VLLM_BENCH_MISSING = ("vLLM not found (docs/VLLM.md: scripts/vllm_env.sh, or DFLASH_VLLM_PYTHON): "
                       "vLLM plain and vLLM + draft methods skipped")
@@ -52,12 +53,11 @@ def _bench_method(name: str, block_size: int | None, settings, python: str):
 def records_acceptance(records) -> float | None:
     """Mean acceptance length over records, vLLM's way: 1 + accepted / drafts. For vLLM
     records, from vLLM's own counters; for ours, from the steps that proposed tokens."""
-    drafts = accepted = 0
+    total = SpecStats()
     for r in records:
         spec = (r.extra or {}).get("vllm_spec")
         if spec is not None:
-            drafts, accepted = drafts + spec.get("drafts", 0), accepted + spec.get("accepted", 0)
+            total = total.merge(SpecStats(num_drafts=spec.get("drafts", 0), num_accepted_tokens=spec.get("accepted", 0)))
         else:
-            steps = [s for s in r.steps if s[0] != 0]
-            drafts, accepted = drafts + len(steps), accepted + sum(a for _, a, _ in steps)
-    return 1.0 + accepted / drafts if drafts else None
+            total = total.merge(spec_stats(r.steps))
+    return total.mean_acceptance_length if total.num_drafts else None

@@ -51,6 +51,8 @@ def run_generate(args) -> int:
 
     from dflash.engine.loop import dflash_generate, stream_generate
     from dflash.engine.sampling import SamplingParams
+    from dflash.engine.stats import SpecStats
+    from dflash.text.detok import IncrementalDecoder
     from dflash.text.pipeline import Pipeline
 
     pipe = Pipeline.load(args.target, args.draft, quiet=args.json)
@@ -62,7 +64,7 @@ def run_generate(args) -> int:
         ids = pipe.encode_chat(_messages(args))
     params = SamplingParams(args.temperature, args.top_p, args.top_k)
     gen = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
-    tok, tokens, lengths, printed = pipe.tokenizer, [], [], ""
+    decoder, stats, tokens, text = IncrementalDecoder(pipe.tokenizer), SpecStats(), [], []
     start = time.perf_counter()
     ttft = None
     for step in stream_generate(pipe.draft, pipe.target, ids, args.max_new_tokens, pipe.stop_token_ids, params,
@@ -70,19 +72,21 @@ def run_generate(args) -> int:
         if ttft is None:
             ttft = time.perf_counter() - start
         else:
-            lengths.append(len(step.tokens))
+            stats.add(step.proposed, step.accepted, len(step.tokens))
         tokens += step.tokens
+        text.append(decoder.push(step.tokens))  # only the new text: no re-decoding of the whole output
         if not args.json:
-            text = tok.decode(tokens, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(printed):])
-                sys.stdout.flush()
-                printed = text
+            sys.stdout.write(text[-1])
+            sys.stdout.flush()
+    text.append(decoder.flush())
+    if not args.json:
+        sys.stdout.write(text[-1])
     elapsed = time.perf_counter() - start
-    tau = sum(lengths) / max(len(lengths), 1)
-    report = {"text": tok.decode(tokens, skip_special_tokens=True), "num_input_tokens": ids.shape[1],
+    tau = stats.mean_acceptance_length
+    report = {"text": "".join(text), "num_input_tokens": ids.shape[1],
               "num_output_tokens": len(tokens), "tau": round(tau, 3), "tokens_per_s": round(len(tokens) / elapsed, 2),
-              "time_to_first_token_s": round(ttft or 0.0, 4), "draft": pipe.draft_path or "random (untrained)"}
+              "time_to_first_token_s": round(ttft or 0.0, 4), "draft": pipe.draft_path or "random (untrained)",
+              "spec_decode": stats.as_dict()}
     if args.compare:
         base = dflash_generate(None, pipe.target, ids, args.max_new_tokens, pipe.stop_token_ids, args.temperature,
                                block_size=1, top_p=args.top_p, top_k=args.top_k, return_stats=True,

@@ -90,9 +90,15 @@ class DraftHead:
 
     @classmethod
     def build(cls, draft: DFlashDraftModel, target: TargetModel) -> "DraftHead":
-        if draft is None or draft.config.draft_vocab is None:
+        """The head of the draft's own `draft_vocab` (the full head without one)."""
+        return cls.of(None if draft is None else draft.config.draft_vocab, target)
+
+    @classmethod
+    def of(cls, vocab: list[int] | None, target: TargetModel) -> "DraftHead":
+        """The head over the vocabulary ids `vocab` (None: the full head)."""
+        if vocab is None:
             return cls()
-        ids = torch.tensor(draft.config.draft_vocab, dtype=torch.long, device=target.device)
+        ids = torch.tensor(vocab, dtype=torch.long, device=target.device)
         return cls(ids, target.head_rows(ids))
 
     def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,12 +120,14 @@ class DraftProposer:
     the target's hidden states of the committed tokens it has not seen yet."""
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, params: SamplingParams, mask_id: int,
-                 generator: torch.Generator | None = None, window: int | None = None, timer: NullTimer = NULL_TIMER):
+                 generator: torch.Generator | None = None, window: int | None = None, timer: NullTimer = NULL_TIMER,
+                 head: DraftHead | None = None):
+        """`head`: the rows the draft proposes from (default: its own draft vocabulary's)."""
         self.draft, self.target, self.params, self.mask_id = draft, target, params, mask_id
         self.generator, self.timer = generator, timer
         self.layer_ids = draft.config.target_layer_ids  # the target layers whose outputs are the context
         self.cache = draft.new_cache(window)
-        self.head = DraftHead.build(draft, target)
+        self.head = head if head is not None else DraftHead.build(draft, target)
 
     def propose(self, ctx_hidden: torch.Tensor, last: torch.Tensor, pos: int, size: int,
                 want_conf: bool = False) -> Proposal:

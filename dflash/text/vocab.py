@@ -50,12 +50,12 @@ def main(argv=None) -> int:
     ap.add_argument("--check", help="a JSONL with response_ids (e.g. regenerated data) to report coverage on")
     args = ap.parse_args(argv)
     from dflash.text.assets import load_target
+    from dflash.text.pipeline import stop_token_ids
     from dflash.text.prompts import sharegpt
 
     _, tok = load_target(None)
     texts = [p.content for p in sharegpt(split="train")]
-    stop = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    ids = frequent_ids(tok, texts, args.size, always=[i for i in stop if isinstance(i, int)])
+    ids = frequent_ids(tok, texts, args.size, always=stop_token_ids(tok))
     cfg_path = Path(args.draft) / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["dflash_config"]["draft_vocab"] = ids
