@@ -76,6 +76,26 @@ class TargetCache(_TargetRollback):
     def _drop(self, n: int) -> None:
         self.hf.crop(-n)  # crop(0) still shrinks sliding layers back to their window
 
+    @torch.inference_mode()
+    def keep(self, start: int, offsets: torch.Tensor) -> None:
+        """Of the positions from `start` on (the last pass's), keep those at start+offsets (A,),
+        in that order, compacted in place right after `start`; drop the rest."""
+        new, offsets = self.length - start, offsets.tolist()
+        if offsets and not (min(offsets) >= 0 and max(offsets) < new):
+            raise ValueError(f"offsets {offsets} are not all within the last {new} positions")
+        for layer in self.hf.layers:
+            if not layer.is_initialized:
+                continue
+            first = layer.keys.shape[-2] - new  # each layer holds the pass's positions last
+            src = torch.tensor(offsets, dtype=torch.long, device=layer.keys.device) + first  # (A,)
+            for name in ("keys", "values"):
+                t = getattr(layer, name)  # (B, KV, S, D)
+                t[..., first:first + len(offsets), :] = t[..., src, :]
+                setattr(layer, name, t[..., :first + len(offsets), :])
+            if layer.is_sliding:
+                layer.cumulative_length -= new - len(offsets)
+        self.hf.crop(0)  # sliding layers back to their window
+
 
 class StaticTargetCache(_TargetRollback):
     """The target's K/V in static_decoder's preallocated buffer (Llama-family targets):
@@ -92,3 +112,7 @@ class StaticTargetCache(_TargetRollback):
 
     def _drop(self, n: int) -> None:
         self.kv.length -= n
+
+    def keep(self, start: int, offsets: torch.Tensor) -> None:
+        """As TargetCache.keep, moved within the preallocated buffer."""
+        self.kv.keep(start, offsets)

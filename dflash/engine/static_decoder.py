@@ -56,6 +56,17 @@ class KVBuffer:
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    @torch.inference_mode()
+    def keep(self, start: int, offsets: torch.Tensor) -> None:
+        """Keep the slots before `start` and the slots start+offsets (A,), moved to start..start+A-1
+        in place (a tree pass's accepted path); the rest of the filled part is dropped."""
+        src = start + offsets.to(self.k.device)  # (A,)
+        if len(src) and not (int(src.min()) >= start and int(src.max()) < self.length):
+            raise ValueError(f"slots {src.tolist()} are not all in the filled part {start}..{self.length - 1}")
+        for buf in (self.k, self.v):
+            buf[:, :, :, start:start + len(src)] = buf[:, :, :, src]  # the gather copies before the write
+        self.length = start + len(src)
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (A,) of the batch (a copy of the filled part)."""
         self._reallocate(rows, self.max_len)
@@ -72,9 +83,10 @@ class KVBuffer:
 
 @torch.inference_mode()
 def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key_valid: torch.Tensor | None,
-            layer_ids: list[int] | None):
+            layer_ids: list[int] | None, tree_mask: torch.Tensor | None = None):
     """ids, positions: (B, T) at buffer slots kv.length.. ; key_valid: (B, kv.length+T) bool,
-    False at padding (None: no padding). Returns the final normed hidden states (B, T, H) and
+    False at padding (None: no padding); tree_mask: (T, T) bool, the new tokens each new token
+    sees (a token tree's; None: causal). Returns the final normed hidden states (B, T, H) and
     the chosen layers' outputs (B, T, k*H) or None. Advances kv.length by T."""
     base = model.model
     b, t = ids.shape
@@ -83,7 +95,7 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     x = base.embed_tokens(ids)  # (B, T, H)
     cos, sin = base.rotary_emb(x, positions)  # (B, T, D) each
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-    mask = _mask(t, kv.length, key_valid, ids.device)  # (B, 1, T, S) or (T, S) or None
+    mask = _mask(t, kv.length, key_valid, ids.device, tree_mask)  # (B, 1, T, S) or (T, S) or None
     layer_ids = layer_ids or []
     feats = []
     for i, layer in enumerate(base.layers):
@@ -100,11 +112,17 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     return final, torch.cat([by_layer[i] for i in layer_ids], dim=-1)  # (B, T, H), (B, T, k*H)
 
 
-def _mask(t: int, past: int, key_valid, device):
-    """Query i (at slot past+i) sees slots <= past+i that are not padding."""
+def _mask(t: int, past: int, key_valid, device, tree=None):
+    """Query i (at slot past+i) sees slots <= past+i that are not padding; with `tree` (T, T),
+    every cached slot and the new slots tree[i] marks."""
+    if key_valid is None and tree is None and t == 1:
+        return None
+    if tree is None:
+        causal = torch.ones(t, past + t, dtype=torch.bool, device=device).tril(past)  # (T, S)
+    else:
+        causal = torch.cat([torch.ones(t, past, dtype=torch.bool, device=device), tree.to(device)], dim=1)  # (T, S)
     if key_valid is None:
-        return None if t == 1 else torch.ones(t, past + t, dtype=torch.bool, device=device).tril(past)  # (T, S)
-    causal = torch.ones(t, past + t, dtype=torch.bool, device=device).tril(past)  # (T, S)
+        return causal
     mask = (causal[None] & key_valid[:, None, :])[:, None]  # (B, 1, T, S)
     if t > 1:  # a padding query would see no key at all (NaN): let it see its own slot
         own = torch.zeros(t, past + t, dtype=torch.bool, device=device)  # (T, S)
