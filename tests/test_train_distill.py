@@ -87,3 +87,124 @@ def test_a_rebuilt_shard_gains_soft_labels_and_an_old_shard_still_loads(tmp_path
     (tmp_path / "shard-00003.topk.npz").write_bytes((tmp_path / "shard-00001.topk.npz").read_bytes())
     with pytest.raises(DataError, match="has 18 rows, the shard's responses 15 tokens"):
         load_sequences(tmp_path, shards=[3])
+
+
+# ---- the distillation loss --------------------------------------------------------------
+
+def _blocks(target, n_seqs=3, length=30, prompt=6, seed=0, block=8):
+    """A batch of blocks over random sequences, the draft hidden states and a draft vocabulary."""
+    from dflash.engine.target import TargetModel
+    from dflash.testing import tiny_draft
+    from dflash.train.blocks import VocabSubset, build_batch, draft_hidden, sample_anchors
+
+    g = torch.Generator().manual_seed(seed)
+    tm = TargetModel(target)
+    draft = tiny_draft(target, block_size=block)
+    items = []
+    for _ in range(n_seqs):
+        toks = torch.randint(0, 60, (length,), generator=g)
+        with torch.no_grad():
+            hs = target(input_ids=toks[None, :-1], output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in draft.config.target_layer_ids], -1)[0]  # (L-1, k*H)
+        items.append((toks, feats, sample_anchors(prompt, length, 3, g)))
+    subset = VocabSubset(torch.arange(0, 64), tm.info.vocab_size, drop_missing=True)
+    batch = build_batch(items, block, draft.config.mask_token_id, 4.0)
+    return tm, draft, items, subset, batch, lambda b: draft_hidden(draft, tm, b)
+
+
+def _with_soft(items, prompt, soft_of):
+    """items with soft labels soft_of(tokens) -> SoftLabels over positions prompt.. ."""
+    return [(t, f, a, None, (prompt, soft_of(t))) for t, f, a in items]
+
+
+def test_the_kl_is_zero_when_the_draft_equals_the_target_on_the_stored_support(llama):
+    from dflash.train.blocks import SoftBlock, chunked_loss_backward
+
+    tm, _, _, subset, batch, hidden_of = _blocks(llama)
+    with torch.no_grad():
+        h = hidden_of(batch)  # (N, Q, H)
+        logq = torch.log_softmax(subset.logits(tm, h), -1)  # (N, Q, S): the draft's own distribution
+    # soft labels = the draft's own top-k at each query position, in vocabulary ids
+    top, cols = logq.topk(K, -1)  # (N, Q, k)
+    rest = torch.log1p(-top.exp().sum(-1))  # (N, Q)
+    assert batch.soft is None  # no soft labels given to build_batch
+    soft = SoftBlock(subset.ids[cols], top, rest)
+    sel = subset.keep(batch.labels)
+    assert int(sel.sum()) > 10
+    kl, _ = chunked_loss_backward(h, tm, batch.labels, batch.weights, 1.0, 7, backward=False, subset=subset,
+                                  soft=soft, distill_weight=1.0)
+    ce, _ = chunked_loss_backward(h, tm, batch.labels, batch.weights, 1.0, 7, backward=False, subset=subset)
+    assert abs(kl) < 1e-4 and ce > 1.0  # the CE of the same draft is far from zero
+    shifted = SoftBlock(soft.ids, torch.log_softmax(top * 0.5, -1) + torch.log1p(-rest.exp())[..., None], rest)
+    off, _ = chunked_loss_backward(h, tm, batch.labels, batch.weights, 1.0, 7, backward=False, subset=subset,
+                                   soft=shifted, distill_weight=1.0)
+    assert off > 1e-3  # a different target distribution on the same support: positive
+
+
+def test_a_one_hot_target_gives_the_hard_ce_value_and_gradient(llama):
+    from dflash.train.blocks import build_batch, chunked_loss_backward
+
+    tm, draft, items, subset, _, hidden_of = _blocks(llama)
+
+    def one_hot(t):  # all the mass on the token itself: top-1 = the label, nothing left
+        r = len(t) - 6
+        ids = torch.stack([t[6:]] + [torch.full((r,), 70 + j) for j in range(K - 1)], -1).int()  # (R, k)
+        lp = torch.full((r, K), -torch.inf)
+        lp[:, 0] = 0.0
+        return SoftLabels(ids, lp.half(), torch.full((r,), -torch.inf).half())
+
+    batch = build_batch(_with_soft(items, 6, one_hot), 8, draft.config.mask_token_id, 4.0)
+    grads = []
+    for d in (0.0, 1.0):
+        draft.zero_grad(set_to_none=True)
+        h = hidden_of(batch)
+        val, _ = chunked_loss_backward(h, tm, batch.labels, batch.weights, 0.1, 7, subset=subset, soft=batch.soft,
+                                        distill_weight=d)
+        grads.append((val, torch.cat([p.grad.flatten() for p in draft.parameters() if p.grad is not None])))
+    (ce, g_ce), (kl, g_kl) = grads
+    assert ce > 0.5 and abs(kl - ce) < 1e-4 * ce
+    assert torch.allclose(g_kl, g_ce, atol=1e-6, rtol=1e-4)
+
+
+def test_distillation_trains_only_the_draft_and_needs_soft_labels():
+    from dflash.train.blocks import chunked_loss_backward
+    from dflash.train.config import FitConfig
+    from dflash.train.data import Sequence
+    from dflash.train.fit import Trainer
+
+    llama = tiny_target("llama", seed=3)  # a fresh target: no gradient left on it by another test
+    gen, _ = _rows_and_soft(llama)
+    seqs = []
+    for i, g in enumerate(gen * 2):
+        toks = torch.tensor(g.prompt_ids + g.response_ids)
+        seqs.append(Sequence(f"s{i}", "test", toks, len(g.prompt_ids), g.features.numpy(), None, g.soft))
+    cfg = FitConfig(block_size=4, gamma=4.0, anchors_per_seq=3, batch_size=2, max_steps=2, heldout_frac=0.0,
+                    eval_tau_prompts=0, device="cpu", intermediate_size=64, loss_vocab="draft", draft_vocab=40,
+                    distill_weight=0.5)
+    t = Trainer(cfg, llama, seqs, 95, LAYERS)
+    before = [p.detach().clone() for p in t.draft.parameters()]
+    rec = t.train_step()
+    assert rec["loss"] > 0
+    assert all(not p.requires_grad and p.grad is None for p in t.target.model.parameters())  # embedding, lm_head too
+    assert any(not torch.equal(a, p) for a, p in zip(before, t.draft.parameters()))
+    hard = [Sequence(s.id, s.dataset, s.tokens, s.prompt_len, s.features) for s in seqs]
+    with pytest.raises(ValueError, match="needs soft labels, which 6 training sequences lack"):
+        Trainer(cfg, llama, hard, 95, LAYERS)
+    with pytest.raises(ValueError, match="needs soft labels"):
+        chunked_loss_backward(torch.zeros(1, 4, 64), t.target, torch.zeros(1, 4, dtype=torch.long),
+                              torch.ones(1, 4), 1.0, 8, distill_weight=0.3)
+
+
+def test_the_data_keeps_its_stop_set_through_the_one_stop_id_helper():
+    from dflash.testing import tiny_tokenizer
+    from dflash.text.pipeline import stop_token_ids
+    from dflash.train.data import data_stop_ids
+
+    tok = tiny_tokenizer()
+    tok.eos_token = "<|unused|>"  # an eos apart from the end-of-turn token
+    eos, im_end = tok.convert_tokens_to_ids("<|unused|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    assert stop_token_ids(tok, ()) == [eos]
+    assert data_stop_ids(tok) == sorted({eos, im_end}) == stop_token_ids(tok)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
+    assert tok.convert_tokens_to_ids("<|eot_id|>") in stop_token_ids(tok)  # the serving set grows...
+    assert data_stop_ids(tok) == sorted({eos, im_end})  # ...the data's does not

@@ -21,6 +21,9 @@ class FitConfig:
     # anchors and loss
     anchors_per_seq: int = 32
     gamma: float = 7.0
+    # the loss per block position: (1 - d) * CE on the target's token + d * KL(target || draft)
+    # on the data's soft labels (its top-k plus the remaining mass as one bucket); 0: hard CE only
+    distill_weight: float = 0.0
     max_seq_len: int = 1024
     # optimisation
     lr: float = 6e-4

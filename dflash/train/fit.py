@@ -61,6 +61,10 @@ class Trainer:
         self.heldout = [s for s in seqs if _is_heldout(s.id, cfg.heldout_frac)]
         if not self.train_seqs:
             raise ValueError("no training sequences (all held out or none loaded)")
+        hard = [s.id for s in self.train_seqs if s.soft is None]
+        if cfg.distill_weight and hard:
+            raise ValueError(f"--distill-weight {cfg.distill_weight} needs soft labels, which {len(hard)} training "
+                             f"sequences lack (e.g. {hard[0]}): rebuild their shards with --topk")
         dcfg = DFlashConfig.for_target(hf_model.config, num_hidden_layers=cfg.num_layers, mask_token_id=mask_token_id,
                                        block_size=cfg.block_size, target_layer_ids=list(layer_ids),
                                        intermediate_size=cfg.intermediate_size)
@@ -117,12 +121,14 @@ class Trainer:
 
     def make_batch(self, indices: list[int], epoch: int, seqs: list[Sequence] | None = None):
         seqs = seqs if seqs is not None else self.train_seqs
+        soft = self.cfg.distill_weight > 0 and all(seqs[i].soft is not None for i in indices)
         items = []
         for i in indices:
             s = seqs[i]
             n = min(len(s.tokens), self.cfg.max_seq_len)
             feats = torch.from_numpy(s.features[: n - 1].astype("float32"))  # (n-1, kH)
-            items.append((s.tokens[:n], feats, self._anchors(epoch, i, s), s.labels[:n]))
+            items.append((s.tokens[:n], feats, self._anchors(epoch, i, s), s.labels[:n],
+                          (s.prompt_len, s.soft) if soft else None))
         return build_batch(items, self.cfg.block_size, self.draft.config.mask_token_id, self.cfg.gamma).to(self.device)
 
     # ---- one optimizer step -----------------------------------------------------------
@@ -148,7 +154,8 @@ class Trainer:
             with ctx:
                 hidden = draft_hidden(self.model, self.target, b)  # (N, Q, H)
                 val, ok = chunked_loss_backward(hidden, self.target, b.labels, b.weights, scale, self.cfg.logits_chunk,
-                                                subset=self.subset)
+                                                subset=self.subset, soft=b.soft,
+                                                distill_weight=self.cfg.distill_weight)
             loss_sum += val
             correct += int(ok.sum())
             count += ok.numel()
