@@ -13,9 +13,11 @@ import torch
 
 from dflash.engine.draft import DFlashDraftModel
 from dflash.engine.loop import dflash_generate
+from dflash.engine.stats import SpecStats
 from dflash.engine.target import TargetModel
 from dflash.text import prompts as P
 from dflash.text.assets import load_target
+from dflash.train.data import data_stop_ids
 
 
 def main():
@@ -31,18 +33,18 @@ def main():
     hf, tok = load_target(None)
     target = TargetModel(hf)
     draft = DFlashDraftModel.from_pretrained(a.draft)
-    stop = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} - {None})
+    stop = data_stop_ids(tok)
     sets = {"math": P.math(limit=a.n), "code": P.humaneval(limit=a.n), "chat": P.mtbench(limit=a.n)}
     report = {"draft": a.draft, "block_size": a.block_size, "max_new_tokens": a.tokens, "prompts_per_domain": a.n}
     t0 = time.time()
     for name, prompts in sets.items():
-        lengths, per_prompt = [], []
+        stats, per_prompt = SpecStats(), []
         for p in prompts:
             ids = tok(p.render(tok), add_special_tokens=False, return_tensors="pt").input_ids
             r = dflash_generate(draft, target, ids, a.tokens, stop, 0.0, block_size=a.block_size, return_stats=True)
-            lengths += r.acceptance_lengths
+            stats = stats.merge(r.stats)
             per_prompt.append(round(r.tau, 3))
-        report[f"tau_{name}"] = round(sum(lengths) / max(len(lengths), 1), 3)
+        report[f"tau_{name}"] = round(stats.mean_acceptance_length, 3)  # the one tau (engine/stats.py)
         report[f"tau_{name}_per_prompt"] = per_prompt
         print(name, report[f"tau_{name}"], per_prompt, flush=True)
     report["seconds"] = round(time.time() - t0, 1)

@@ -64,10 +64,14 @@ class Pipeline:
         return ids.to(self.target.device)
 
 
-def stop_token_ids(tokenizer) -> list[int]:
-    """The eos id plus the end-of-turn tokens of the common chat templates the tokenizer knows."""
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>")
+
+
+def stop_token_ids(tokenizer, names: tuple[str, ...] = END_OF_TURN) -> list[int]:
+    """The eos id plus the end-of-turn tokens of the common chat templates the tokenizer knows
+    (`names`: which end-of-turn tokens count; the training data keeps eos + `<|im_end|>`)."""
     ids = {tokenizer.eos_token_id}
-    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+    for tok in names:
         i = tokenizer.convert_tokens_to_ids(tok)
         if isinstance(i, int) and i != tokenizer.unk_token_id:
             ids.add(i)

@@ -173,7 +173,7 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     model, tok = load_target(cfg.target)
     model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = load_or_build_prompts(cfg, out)
-    stop_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} - {None, tok.unk_token_id})
+    stop_ids = data_stop_ids(tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]
     n_shards = (len(rows) + cfg.shard_size - 1) // cfg.shard_size
     if cfg.max_shards is not None:
@@ -200,6 +200,13 @@ def run_data(cfg: DataConfig, log=print) -> Path:
             f"{new_tokens} new tokens  {rate:.1f} tok/s  cpu {time.process_time() - cpu0:.0f}s  "
             f"elapsed {_eta(el)}  ETA {_eta(el / (j + 1) * (len(todo) - j - 1))}")
     return out
+
+
+def data_stop_ids(tok) -> list[int]:
+    """The tokens that end a training response: eos and `<|im_end|>` (the kept shards' set)."""
+    from dflash.text.pipeline import stop_token_ids
+
+    return stop_token_ids(tok, ("<|im_end|>",))
 
 
 def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen):

@@ -70,18 +70,20 @@ class Evaluator:
     @torch.no_grad()
     def tau(self) -> dict:
         from dflash.engine.loop import dflash_generate
+        from dflash.engine.stats import SpecStats
+        from dflash.train.data import data_stop_ids
 
         t, tok = self.t, self.tok
         t.draft.eval()
-        stop = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} - {None, tok.unk_token_id})
+        stop = data_stop_ids(tok)
         out = {}
         for domain, prompts in self._eval_prompts().items():
-            lengths = []
+            stats = SpecStats()
             for p in prompts:
                 ids = tok(p.render(tok), add_special_tokens=False, return_tensors="pt").input_ids.to(t.device)
                 r = dflash_generate(t.draft, t.target, ids, t.cfg.eval_tau_tokens, stop, 0.0, return_stats=True)
-                lengths += r.acceptance_lengths
-            out[f"tau_{domain}"] = sum(lengths) / max(len(lengths), 1)
+                stats = stats.merge(r.stats)
+            out[f"tau_{domain}"] = stats.mean_acceptance_length  # the one tau (engine/stats.py)
         out["tau_mean"] = sum(out.values()) / len(out)
         t.draft.train()
         return out
