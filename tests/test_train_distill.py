@@ -208,3 +208,50 @@ def test_the_data_keeps_its_stop_set_through_the_one_stop_id_helper():
     tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>"]})
     assert tok.convert_tokens_to_ids("<|eot_id|>") in stop_token_ids(tok)  # the serving set grows...
     assert data_stop_ids(tok) == sorted({eos, im_end})  # ...the data's does not
+
+
+# ---- HumanEval-shaped prompts and per-source response limits ------------------------------
+
+def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_path):
+    from dflash.text import prompts as P
+    from dflash.train.code_prompts import docstring_functions, docstring_prompts
+    from dflash.train.data import check_no_leaks
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        'def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, and return it."""\n'
+        '    c = a + b\n    return c\n\n'
+        'def no_doc(a):\n    return a\n\n'
+        'def _private(a):\n    """A private helper that is documented at some length here."""\n    return a\n\n'
+        'def long_body(a):\n    """A function with a body far longer than a short task has."""\n' + "    a += 1\n" * 20)
+    (tmp_path / "test_mod.py").write_text('def keep2(a):\n    """A function in a test module is skipped too."""\n    return a\n')
+    assert docstring_functions(tmp_path) == [
+        ("stdlib/pkg.mod.keep", 'def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, '
+                                'and return it."""\n')]  # the body is never shown
+    rows = docstring_prompts(400)
+    assert len(rows) == 400 and rows == docstring_prompts(400) and len({t for _, t in rows}) == 400
+    he = P.humaneval()
+    head = he[0].content[: he[0].content.index("```python")]  # the benchmark's own instruction
+    assert all(t.startswith(head + "```python\ndef ") and t.endswith('"""\n```') for _, t in rows)
+    check_no_leaks([{"id": i, "dataset": "docstring", "content": t} for i, t in rows])  # raises on a leak
+    docs = [P.normalize(t.split('"""')[1]) for _, t in rows]
+    codes = [P.normalize(p.meta["code"]) for p in he]
+    assert not any(d in c for d in docs for c in codes)  # no docstring of a stub is in a HumanEval task
+    with pytest.raises(DataError, match="evaluation prompts in the training set"):
+        check_no_leaks([{"id": "stdlib/x", "dataset": "docstring", "content": he[3].content}])
+
+
+def test_a_source_gets_its_own_response_limit(tmp_path):
+    from dflash.testing import tiny_pipeline
+    from dflash.train.data import _new_shard, run_data
+
+    pipe = tiny_pipeline()
+    cfg = DataConfig(layer_ids=[0, 1], max_new_tokens=3, max_new_tokens_by_source={"math": 7}, topk=K)
+    chunk = [{"id": f"{d}/{i}", "dataset": d, "content": f"the quick fox {i}"} for i, d in
+             enumerate(["math", "code", "math", "sharegpt", "code"])]
+    rows, feats, soft = _new_shard(pipe.target.model, pipe.tokenizer, chunk, cfg, [], 0, torch.Generator())
+    assert {r["id"]: len(r["response_ids"]) for r in rows} == {"math/0": 7, "code/1": 3, "math/2": 7,
+                                                               "sharegpt/3": 3, "code/4": 3}
+    assert [len(s) for s in soft] == [len(r["response_ids"]) for r in rows]
+    with pytest.raises(DataError, match=r"unknown sources in max_new_tokens_by_source: \['poetry'\]"):
+        run_data(DataConfig(out=str(tmp_path), max_new_tokens_by_source={"poetry": 9}))

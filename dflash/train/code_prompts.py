@@ -1,9 +1,13 @@
 """Code prompts assembled here from task templates (never HumanEval): a training source for
-the code domain. Deterministic: the same seed gives the same list."""
+the code domain, and HumanEval-shaped stubs (a signature and a docstring to complete) from the
+Python standard library's own source. Deterministic: the same seed gives the same list."""
 
 from __future__ import annotations
 
+import ast
 import random
+import sysconfig
+from pathlib import Path
 
 TASKS = [
     "reverse the words in a sentence", "check whether a string is a palindrome", "count the vowels in a string",
@@ -95,3 +99,67 @@ def code_prompts(n: int = 2000, seed: int = 0) -> list[tuple[str, str]]:
             if len(out) >= n:
                 return out
     return out
+
+
+# ---- HumanEval-shaped prompts from the standard library's own source ------------------------
+
+MAX_BODY_LINES = 12  # "a short body": the statements after the docstring, as ast.unparse writes them
+
+
+def docstring_functions(root: str | Path | None = None) -> list[tuple[str, str]]:
+    """(id, signature + docstring) of every module-level function in the Python standard
+    library (`root`: default sysconfig's stdlib) that has a docstring and a short body, in
+    file order: the shape of a HumanEval task (a signature and a docstring to complete), from
+    a source that cannot overlap HumanEval (the leak check in data.py tests that too). Test
+    suites, private modules, idlelib, turtledemo and site-packages are skipped; the body is
+    never shown."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    out, seen = [], set()
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        private = any(p.startswith("_") and p != "__init__.py" for p in rel.parts)
+        if private or rel.parts[0] in SKIP_DIRS or any(p.startswith("test") for p in rel.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = ".".join(rel.with_suffix("").parts)
+        for node in tree.body:
+            stub = _stub(node)
+            if stub is not None and stub not in seen:  # a function copied into two modules counts once
+                seen.add(stub)
+                out.append((f"stdlib/{module}.{node.name}", stub))
+    return out
+
+
+SKIP_DIRS = {"site-packages", "idlelib", "turtledemo", "lib2to3", "ensurepip", "pydoc_data", "tkinter"}
+
+
+def _stub(node: ast.AST) -> str | None:
+    """`def name(args) -> ret:` and its docstring, when `node` is a public function with a
+    docstring of a few lines and a body of 1..MAX_BODY_LINES lines; else None."""
+    if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        return None
+    doc = ast.get_docstring(node, clean=True)
+    if not doc or len(doc) < 40 or len(doc.splitlines()) > 25:
+        return None
+    body = node.body[1:]
+    lines = sum(len(ast.unparse(s).splitlines()) for s in body)
+    if not 1 <= lines <= MAX_BODY_LINES:
+        return None
+    raw = ast.get_docstring(node, clean=False)  # as written, indented like the source (and HumanEval)
+    stub = ast.FunctionDef(name=node.name, args=node.args, body=[ast.Expr(ast.Constant(raw))], decorator_list=[],
+                           returns=node.returns)
+    text = ast.unparse(ast.fix_missing_locations(ast.Module([stub], [])))
+    return text + "\n"
+
+
+def docstring_prompts(n: int = 2000, seed: int = 0, root: str | Path | None = None) -> list[tuple[str, str]]:
+    """(id, user message) pairs: `n` standard-library stubs in a seeded order, each asked as
+    the benchmark asks HumanEval (the same instruction, the stub in a Python code block)."""
+    from dflash.text.prompts import _HUMANEVAL_INSTRUCTION
+
+    stubs = docstring_functions(root)
+    random.Random(seed).shuffle(stubs)
+    return [(i, f"{_HUMANEVAL_INSTRUCTION}```python\n{code}```") for i, code in stubs[:n]]

@@ -65,10 +65,15 @@ class DataConfig:
     out: str = "runs/data/smollm2"
     target: str | None = None  # None: the default SmolLM2-135M-Instruct
     num_prompts: int = 3000
+    # sources: math, code (templated requests), docstring (standard-library stubs to complete, the
+    # HumanEval shape), sharegpt
     mix: dict = field(default_factory=lambda: {"math": 0.4, "code": 0.3, "sharegpt": 0.3})
     layer_ids: list[int] = field(default_factory=lambda: [1, 8, 14, 20, 27])
     max_prompt_tokens: int = 320
     max_new_tokens: int = 192
+    # a longer limit for the sources whose prompts ask for long answers, e.g. {"math": 448,
+    # "code": 448, "docstring": 448}; a source not named here gets max_new_tokens
+    max_new_tokens_by_source: dict = field(default_factory=dict)
     temperature: float = 0.0
     # soft labels: the target's top-k log-probabilities (and the log of the remaining mass) over
     # every response token, kept in shard-N.topk.npz beside the features; 0: hard labels only

@@ -37,17 +37,17 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     """Interleave the sources by `cfg.mix` weights, dedupe on normalised text, refuse any
     prompt whose normalised text equals an evaluation prompt's."""
     from dflash.text import prompts as P
-    from dflash.train.code_prompts import code_prompts
+    from dflash.train.code_prompts import code_prompts, docstring_prompts
 
     want = {k: int(round(cfg.num_prompts * w)) + 8 for k, w in cfg.mix.items() if w > 0}
-    unknown = set(want) - {"math", "code", "sharegpt"}
-    if unknown:
-        raise DataError(f"unknown sources in mix: {sorted(unknown)} (valid: math, code, sharegpt)")
+    _check_sources(set(want), "mix")
     pools: dict[str, list[tuple[str, str]]] = {}
     if "math" in want:
         pools["math"] = [(p.id, p.content) for p in P.math(limit=want["math"], seed_range=P.TRAIN_MATH_SEEDS)]
     if "code" in want:
         pools["code"] = code_prompts(want["code"], seed=cfg.seed)
+    if "docstring" in want:  # HumanEval-shaped stubs from the standard library's source
+        pools["docstring"] = docstring_prompts(want["docstring"], seed=cfg.seed)
     if "sharegpt" in want:
         rows = P.sharegpt(split="train")
         rng = np.random.default_rng(cfg.seed)
@@ -71,6 +71,15 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
         out.append({"id": pid, "dataset": k, "content": text})
     check_no_leaks(out)
     return out
+
+
+SOURCES = ("math", "code", "docstring", "sharegpt")
+
+
+def _check_sources(names: set[str], what: str) -> None:
+    unknown = names - set(SOURCES)
+    if unknown:
+        raise DataError(f"unknown sources in {what}: {sorted(unknown)} (valid: {', '.join(SOURCES)})")
 
 
 def check_no_leaks(rows: list[dict]) -> None:
@@ -162,9 +171,11 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     cfg_path = out / "data_config.json"
     if cfg_path.exists():
         diff = _difference(_read_config(cfg_path), cfg,
-                           ("layer_ids", "max_new_tokens", "temperature", "target", "shard_size", "source"))
+                           ("layer_ids", "max_new_tokens", "max_new_tokens_by_source", "temperature", "target",
+                            "shard_size", "source"))
         if diff:
             raise DataError(f"{out} was started with {diff}: use another --out or the same settings")
+    _check_sources(set(cfg.max_new_tokens_by_source), "max_new_tokens_by_source")
     if cfg.responses:
         _check_responses(cfg)
     atomic_write_text(cfg_path, json.dumps(asdict(cfg), indent=2) + "\n")
@@ -202,6 +213,11 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     return out
 
 
+def max_new_tokens(cfg: DataConfig, dataset: str) -> int:
+    """The response limit of a prompt from `dataset`: its per-source limit, else the global one."""
+    return int(cfg.max_new_tokens_by_source.get(dataset, cfg.max_new_tokens))
+
+
 def data_stop_ids(tok) -> list[int]:
     """The tokens that end a training response: eos and `<|im_end|>` (the kept shards' set)."""
     from dflash.text.pipeline import stop_token_ids
@@ -218,14 +234,17 @@ def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen):
         ids = tok(ids, add_special_tokens=False).input_ids
         if len(ids) <= cfg.max_prompt_tokens:
             enc.append((r, ids))
-    enc.sort(key=lambda x: len(x[1]))
+    enc.sort(key=lambda x: (max_new_tokens(cfg, x[0]["dataset"]), len(x[1])))
+    batches = [enc[b:b + cfg.batch_size] for b in range(0, len(enc), cfg.batch_size)]
+    batches = [[x for x in batch if max_new_tokens(cfg, x[0]["dataset"]) == n] for batch in batches
+               for n in sorted({max_new_tokens(cfg, r["dataset"]) for r, _ in batch})]  # one limit per batch
     out_rows, feats, soft = [], [], []
-    for b in range(0, len(enc), cfg.batch_size):
-        batch = enc[b:b + cfg.batch_size]
+    for batch in batches:
+        limit = max_new_tokens(cfg, batch[0][0]["dataset"])
         if cfg.source == "prefill":
-            results = _prefill(model, tok, batch, cfg, stop_ids, pad)
+            results = _prefill(model, tok, batch, cfg, stop_ids, pad, limit)
         else:
-            results = _generate(model, [ids for _, ids in batch], cfg, stop_ids, pad, gen)
+            results = _generate(model, [ids for _, ids in batch], cfg, stop_ids, pad, gen, limit)
         for (r, _), g in zip(batch, results):
             out_rows.append({"id": r["id"], "dataset": r["dataset"], "prompt_ids": g.prompt_ids,
                              "response_ids": g.response_ids, "finished": g.finished})
@@ -239,7 +258,8 @@ def _new_shard(model, tok, chunk, cfg, stop_ids, pad, gen):
 # ---- stored responses -------------------------------------------------------------------
 
 # the settings that shape a response: a folder continued, or responses reused, must share them
-RESPONSE_KEYS = ("max_new_tokens", "temperature", "target", "shard_size", "source", "max_prompt_tokens")
+RESPONSE_KEYS = ("max_new_tokens", "max_new_tokens_by_source", "temperature", "target", "shard_size", "source",
+                 "max_prompt_tokens")
 
 
 def _read_config(path: Path) -> dict:
@@ -291,12 +311,12 @@ def _rebuild_shard(model, stored: list[dict], layer_ids: list[int], topk: int = 
 
 
 @torch.inference_mode()
-def _prefill(model, tok, batch, cfg, stop_ids, pad):
+def _prefill(model, tok, batch, cfg, stop_ids, pad, limit):
     """One right-padded target forward over prompt + existing reply: features of every token
     and the target's argmax next token at every position (the labels)."""
     seqs = []
     for r, ids in batch:
-        reply = tok(r["reply"], add_special_tokens=False).input_ids[: cfg.max_new_tokens - 1] + [stop_ids[0]]
+        reply = tok(r["reply"], add_special_tokens=False).input_ids[: limit - 1] + [stop_ids[0]]
         seqs.append((ids, reply))
     width = max(len(p) + len(q) for p, q in seqs)
     x = torch.full((len(seqs), width), pad, dtype=torch.long)  # (B, T)
@@ -317,10 +337,10 @@ def _prefill(model, tok, batch, cfg, stop_ids, pad):
     return res
 
 
-def _generate(model, prompts, cfg, stop_ids, pad, gen):
+def _generate(model, prompts, cfg, stop_ids, pad, gen, limit):
     from dflash.train.generator import generate_batch
 
-    return generate_batch(model, prompts, cfg.layer_ids, cfg.max_new_tokens, stop_ids, pad, cfg.temperature, gen,
+    return generate_batch(model, prompts, cfg.layer_ids, limit, stop_ids, pad, cfg.temperature, gen,
                           topk=cfg.topk)
 
 
