@@ -226,8 +226,8 @@ def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_pat
         'def long_body(a):\n    """A function with a body far longer than a short task has."""\n' + "    a += 1\n" * 20)
     (tmp_path / "test_mod.py").write_text('def keep2(a):\n    """A function in a test module is skipped too."""\n    return a\n')
     assert docstring_functions(tmp_path) == [
-        ("stdlib/pkg.mod.keep", 'def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, '
-                                'and return it."""\n')]  # the body is never shown
+        ("stdlib/pkg.mod.keep", ('def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, '
+                                 'and return it."""\n'))]  # the body is never shown
     rows = docstring_prompts(400)
     assert len(rows) == 400 and rows == docstring_prompts(400) and len({t for _, t in rows}) == 400
     he = P.humaneval()
@@ -249,7 +249,7 @@ def test_a_source_gets_its_own_response_limit(tmp_path):
     cfg = DataConfig(layer_ids=[0, 1], max_new_tokens=3, max_new_tokens_by_source={"math": 7}, topk=K)
     chunk = [{"id": f"{d}/{i}", "dataset": d, "content": f"the quick fox {i}"} for i, d in
              enumerate(["math", "code", "math", "sharegpt", "code"])]
-    rows, feats, soft = _new_shard(pipe.target.model, pipe.tokenizer, chunk, cfg, [], 0, torch.Generator())
+    rows, _, soft = _new_shard(pipe.target.model, pipe.tokenizer, chunk, cfg, [], 0, torch.Generator())
     assert {r["id"]: len(r["response_ids"]) for r in rows} == {"math/0": 7, "code/1": 3, "math/2": 7,
                                                                "sharegpt/3": 3, "code/4": 3}
     assert [len(s) for s in soft] == [len(r["response_ids"]) for r in rows]
