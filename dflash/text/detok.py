@@ -5,8 +5,6 @@ of a step does not grow with the length of the output."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 REPLACEMENT = "\ufffd"  # what a byte-level tokenizer decodes half a UTF-8 character to
 
 
@@ -16,19 +14,17 @@ class IncrementalDecoder:
     A window of already-emitted tokens is decoded together with the new ones, so tokenizers
     whose pieces depend on their neighbours (leading spaces, byte fallback) decode the same
     as a full `decode`. Text ending in half a UTF-8 character is held back until the rest
-    arrives (or `flush`)."""
+    arrives; if it never does (the generation ended mid-character), `flush` drops it."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True, lock=None):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._lock = lock or nullcontext()  # held around each decode call, if the tokenizer is shared
         self._ids: list[int] = []
         self._prefix = 0  # start of the context window
         self._read = 0  # ids before this have been turned into emitted text
 
     def _decode(self, ids: list[int]) -> str:
-        with self._lock:
-            return self._tok.decode(ids, skip_special_tokens=self._skip)
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, new_ids: list[int]) -> str:
         self._ids.extend(new_ids)
@@ -40,11 +36,17 @@ class IncrementalDecoder:
         return text[len(before):]
 
     def flush(self) -> str:
-        """The text still held back (e.g. a trailing half character), at the end."""
+        """At the end: the text still held back, less an incomplete character at its end."""
         before = self._decode(self._ids[self._prefix:self._read])
         text = self._decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
-        return text[len(before):]
+        return complete_text(text[len(before):])
+
+
+def complete_text(text: str) -> str:
+    """Text as an answer ends: without the U+FFFD a half (or broken) character at its very end
+    decodes to. A whole `decode` of the same tokens, passed through this, equals the streamed text."""
+    return text.rstrip(REPLACEMENT)
 
 
 class StopMatcher:

@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 import torch
 
 from dflash.engine.loop import stream_generate
+from dflash.engine.params import effective_temperature
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.stats import SpecStats
 from dflash.text.detok import IncrementalDecoder, StopMatcher
@@ -24,6 +25,7 @@ class GenSettings:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    time_limit: float | None = None  # seconds of generation; then it ends with finish_reason "length"
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Done:
 
 
 def make_generator(settings: GenSettings) -> torch.Generator | None:
-    if settings.temperature == 0:
+    if effective_temperature(settings.temperature) == 0:  # greedy: below the floor too
         return None
     seed = settings.seed if settings.seed is not None else secrets.randbits(63)
     return torch.Generator().manual_seed(seed)
@@ -66,13 +68,12 @@ def make_generator(settings: GenSettings) -> torch.Generator | None:
 
 def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_token_ids,
                   cancelled: Callable[[], bool] = lambda: False, block_size: int | None = None,
-                  tokenizer_lock=None, draft_threshold: float = 0.0) -> Iterator[Delta | Done]:
+                  draft_threshold: float = 0.0) -> Iterator[Delta | Done]:
     """Run the speculative loop; yield a Delta per step and one Done at the end. `cancelled`
-    is checked between steps: when it turns true the generation ends with "abort".
-    `tokenizer_lock` (a threading.Lock) is held around decoding when other threads share
-    the tokenizer."""
+    is checked between steps: when it turns true the generation ends with "abort". Past
+    `settings.time_limit` seconds it ends with "length", as at max_tokens."""
     params = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
-    decoder, stops, stats = IncrementalDecoder(pipe.tokenizer, lock=tokenizer_lock), StopMatcher(settings.stop), SpecStats()
+    decoder, stops, stats = IncrementalDecoder(pipe.tokenizer), StopMatcher(settings.stop), SpecStats()
     start = time.perf_counter()
     ttft, n_tokens, finish = 0.0, 0, "length"
     steps = stream_generate(pipe.draft, pipe.target, input_ids, settings.max_tokens, stop_token_ids, params,
@@ -84,11 +85,12 @@ def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_tok
             n_tokens += len(step.tokens)
             stats.add(step.proposed, step.accepted, len(step.tokens))
             text, hit = stops.feed(decoder.push(step.tokens))
-            if step.finish_reason and not hit:  # the end: let out what was held back
+            end = step.finish_reason or _out_of_time(settings, start)
+            if end and not hit:  # the end: let out what was held back
                 tail, hit = stops.feed(decoder.flush())
                 text += tail if hit else tail + stops.flush()
-            if hit or step.finish_reason:
-                finish = "stop" if hit else step.finish_reason
+            if hit or end:
+                finish = "stop" if hit else end
                 yield Delta(text, n_tokens, stats, time.perf_counter() - start)
                 break
             yield Delta(text, n_tokens, stats, time.perf_counter() - start)
@@ -98,3 +100,9 @@ def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_tok
     finally:
         steps.close()
     yield Done(finish, int(input_ids.shape[1]), n_tokens, stats, ttft, time.perf_counter() - start)
+
+
+def _out_of_time(settings: GenSettings, start: float) -> str | None:
+    if settings.time_limit is not None and time.perf_counter() - start >= settings.time_limit:
+        return "length"
+    return None
