@@ -7,6 +7,7 @@ import os
 import sys
 
 from dflash.cli.commands import add_model_args, add_threads, set_threads
+from dflash.serve.limits import PROMPT_CHARS_PER_TOKEN, Limits
 
 API_KEY_ENV = "DFLASH_API_KEY"
 
@@ -25,6 +26,22 @@ def add_serve(sub) -> None:
                    help="verify only the leading proposals the draft gives at least this probability (default 0: all)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30)")
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
+                   help=f"largest request body; larger gets 413 before it is read (default {Limits.max_body_bytes})")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help=f"longest prompt in characters, refused before tokenising "
+                        f"(default: {PROMPT_CHARS_PER_TOKEN} x the context)")
+    p.add_argument("--max-tokens-default", type=int, default=Limits.max_tokens_default,
+                   help="max_tokens of a chat request that leaves it out (completions: OpenAI's 16, or this "
+                        f"if smaller; default {Limits.max_tokens_default})")
+    p.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens_limit,
+                   help="a larger max_tokens is lowered to this; the answer then ends with finish_reason "
+                        f"'length' (default {Limits.max_tokens_limit})")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a generation may run; then it ends with finish_reason 'length' (default: no limit)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a web origin (e.g. http://localhost:3000) whose pages may call the API from a browser; "
+                        "repeat for more, '*' for any (default: none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_threads(p)
     p.set_defaults(func=run_serve)
@@ -51,12 +68,8 @@ def _run_chat(args) -> int:
 
 
 def run_serve(args) -> int:
-    from dflash.serve.server import (
-        ServerOptions,
-        build_server,
-        default_name,
-        is_loopback,
-    )
+    from dflash.serve.guard import is_loopback
+    from dflash.serve.server import ServerOptions, build_server, default_name
     from dflash.text.pipeline import Pipeline
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -67,8 +80,11 @@ def run_serve(args) -> int:
     set_threads(args)
     pipe = Pipeline.load(args.target, args.draft)
     name = args.model_name or default_name(args.target)
+    limits = Limits(args.max_body_bytes, args.max_prompt_chars, args.max_tokens_default, args.max_tokens_limit,
+                    args.request_timeout)
     options = ServerOptions(args.host, args.port, api_key, name, args.max_queue, args.max_model_len,
-                            args.block_size, args.draft_threshold, args.shutdown_grace, args.log_level)
+                            args.block_size, args.draft_threshold, args.shutdown_grace, args.log_level, limits,
+                            tuple(args.allow_origin))
     server = build_server(pipe, options)
     print(f"dflash: serving '{name}' on http://{args.host}:{args.port}/v1 "
           f"(draft: {pipe.draft_path or 'random, untrained'}; API key {'required' if api_key else 'off'})",

@@ -1,85 +1,33 @@
 """The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions (plain JSON or
 server-sent events), /v1/models, plus /health and /metrics. Everything a request needs
-lives on `app.state.dflash` (a ServerState); the model itself is only touched by the worker."""
+lives on `app.state.dflash` (a ServerState); the model itself is only touched by the worker.
+Every request first passes the Guard (guard.py); a body is parsed and tokenised in a pool
+thread (state.py), so the event loop only moves bytes."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dflash.serve.metrics import CONTENT_TYPE, Metrics
-from dflash.serve.schema import ApiError, ChatRequest, CompletionRequest, parse_body
-from dflash.serve.worker import SHUTDOWN_REASON, Failed, Job, Unavailable, Worker
+from dflash.serve.guard import AccessPolicy, Guard
+from dflash.serve.metrics import CONTENT_TYPE
+from dflash.serve.schema import ApiError
+from dflash.serve.state import ServerState
+from dflash.serve.worker import SHUTDOWN_REASON, Failed, Job, Unavailable
 from dflash.text.session import Delta, GenSettings
 
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
-
-@dataclass
-class ServerState:
-    pipe: object
-    worker: Worker
-    metrics: Metrics
-    model_name: str
-    max_model_len: int
-    api_key: str | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def tokenizer_lock(self) -> threading.Lock:
-        return self.worker.tokenizer_lock
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           "model", "model_not_found")
-
-    def settings(self, req, prompt_tokens: int, default_max: int | None) -> GenSettings:
-        """Sampling settings, with max_tokens checked against the context left by the prompt."""
-        limit = self.max_model_len
-        if prompt_tokens >= limit:
-            raise ApiError(400, f"the prompt has {prompt_tokens} tokens, but this model's context holds {limit} "
-                                "tokens (prompt and completion together)", req.PROMPT_FIELD, "context_length_exceeded")
-        room = limit - prompt_tokens
-        wanted = req.token_limit
-        if wanted is None:
-            wanted = room if default_max is None else min(default_max, room)
-        elif wanted > room:
-            raise ApiError(400, f"max_tokens={wanted} is too large: the context holds {limit} tokens and the prompt "
-                                f"takes {prompt_tokens}, so at most {room} new tokens fit", "max_tokens",
-                           "context_length_exceeded")
-        top_k = req.top_k if req.top_k and req.top_k > 0 else 0
-        return GenSettings(wanted, 1.0 if req.temperature is None else req.temperature,
-                           1.0 if req.top_p is None else req.top_p, top_k, req.seed, req.stop_strings())
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.dflash
-
-
-async def _authorize(request: Request) -> None:
-    key = _state(request).api_key
-    if key is None:
-        return
-    given = request.headers.get("authorization", "")
-    token = given[7:].strip() if given[:7].lower() == "bearer " else ""
-    if not token or not hmac.compare_digest(token.encode(), key.encode()):
-        raise ApiError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'", None,
-                       "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, policy: AccessPolicy | None = None, cors_origins=()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -88,12 +36,16 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dflash", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dflash = state
     _add_error_handlers(app, state)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorize)])
+    app.add_middleware(Guard, state=state, policy=policy or AccessPolicy())
+    if cors_origins:  # outside the guard: it answers the browsers' preflight requests itself
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
     async def health():
-        ok = state.worker.alive and state.worker.accepting
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        status = "shutting_down" if state.draining else "ok" if state.worker.alive else "unavailable"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -110,24 +62,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request):
-        req = parse_body(CompletionRequest, await request.body())
-        state.check_model(req.model)
-        prompt = req.single_prompt()
-        with state.tokenizer_lock:
-            ids = state.pipe.encode_text(prompt) if isinstance(prompt, str) else _token_ids(state, prompt)
-        settings = state.settings(req, ids.shape[1], DEFAULT_COMPLETION_TOKENS)
+        req, ids, settings = await run_in_threadpool(state.prepare_completion, await request.body())
         return await _respond(request, state, ids, settings, _CompletionFormat(state.model_name), req)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_body(ChatRequest, await request.body())
-        state.check_model(req.model)
-        try:
-            with state.tokenizer_lock:
-                ids = state.pipe.encode_chat([m.as_dict() for m in req.messages])
-        except Exception as e:  # e.g. a chat template that refuses this order of roles
-            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        settings = state.settings(req, ids.shape[1], None)
+        req, ids, settings = await run_in_threadpool(state.prepare_chat, await request.body())
         return await _respond(request, state, ids, settings, _ChatFormat(state.model_name), req)
 
     app.include_router(v1)
@@ -139,18 +79,9 @@ def _model_card(state: ServerState) -> dict:
             "max_model_len": state.max_model_len}
 
 
-def _token_ids(state: ServerState, ids: list[int]):
-    import torch
-
-    vocab = state.pipe.target.info.vocab_size
-    if any(not 0 <= i < vocab for i in ids):
-        raise ApiError(400, f"the prompt holds token ids outside the vocabulary of {vocab}", "prompt")
-    return torch.tensor([ids], dtype=torch.long, device=state.pipe.target.device)
-
-
 def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     def error(e: ApiError):
-        state.metrics.errors.labels(code=e.code or str(e.status)).inc()
+        state.count_error(e)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(ApiError)
@@ -178,7 +109,7 @@ async def _respond(request: Request, state: ServerState, ids, settings: GenSetti
     job = Job(ids, settings, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
     state.worker.submit(job)  # raises Unavailable (503) when the queue is full
     if req.stream:
-        return StreamingResponse(_stream(job, events, fmt, req.include_usage), media_type="text/event-stream",
+        return StreamingResponse(_stream(state, job, events, fmt, req.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await _collect(request, job, events, fmt)
 
@@ -193,7 +124,14 @@ def _abort_error(job: Job) -> ApiError:
                     "shutting_down" if reason == SHUTDOWN_REASON else "cancelled")
 
 
-async def _stream(job: Job, events: asyncio.Queue, fmt, include_usage: bool):
+def _failure(job: Job, end) -> ApiError | None:
+    """The error a job's last event means, if any: a failed or an aborted generation."""
+    if isinstance(end, Failed):
+        return ApiError(500, end.message)
+    return _abort_error(job) if end.finish_reason == "abort" else None
+
+
+async def _stream(state: ServerState, job: Job, events: asyncio.Queue, fmt, include_usage: bool):
     finished = False
     try:
         first = fmt.opening_chunk()
@@ -206,10 +144,10 @@ async def _stream(job: Job, events: asyncio.Queue, fmt, include_usage: bool):
                     yield _sse(fmt.chunk(ev.text, None))
                 continue
             finished = True
-            if isinstance(ev, Failed):
-                yield _sse(ApiError(500, ev.message).body())
-            elif ev.finish_reason == "abort":
-                yield _sse(_abort_error(job).body())
+            error = _failure(job, ev)
+            if error is not None:  # counted as the same error of a non-streamed request would be
+                state.count_error(error)
+                yield _sse(error.body())
             else:
                 yield _sse(fmt.chunk("", ev.finish_reason))
                 if include_usage:
@@ -242,10 +180,9 @@ async def _collect(request: Request, job: Job, events: asyncio.Queue, fmt):
         watcher.cancel()
         if done is None:  # this task was cancelled: stop generating for it
             job.cancel()
-    if isinstance(done, Failed):
-        raise ApiError(500, done.message)
-    if done.finish_reason == "abort":
-        raise _abort_error(job)
+    error = _failure(job, done)
+    if error is not None:
+        raise error
     return fmt.response("".join(parts), done.finish_reason, done.usage())
 
 

@@ -59,6 +59,7 @@ class _Sampling(_Body):
         return tuple(s for s in stops if s)
 
     def check_supported(self) -> None:
+        self.stop_strings()  # cheap: checked before the prompt is tokenised
         if (self.n or 1) != 1:
             raise ApiError(400, "only n=1 is supported", "n")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -136,6 +137,10 @@ class ChatRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt_chars(self) -> int:
+        """Characters of all the messages' text: known before tokenising."""
+        return sum(len(m.as_dict()["content"]) for m in self.messages)
 
 
 def parse_body(model: type[_Body], raw: bytes) -> Any:

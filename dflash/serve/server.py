@@ -1,18 +1,21 @@
 """The `dflash serve` server: FastAPI on uvicorn. One worker thread owns the model (worker.py); the
 HTTP side (api.py) validates requests, queues them and streams the answers back.
-On shutdown (Ctrl-C / SIGTERM) it stops taking requests, lets the queued and running ones
-finish for `--shutdown-grace` seconds, then ends the rest with a clean error."""
+On shutdown (Ctrl-C / SIGTERM) it drains: the listener stays open and answers new API
+requests and /health with 503 `shutting_down`, the queued and running requests finish (for
+at most `--shutdown-grace` seconds, then they end with a clean error), then it exits."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
-from dflash.serve.api import ServerState, create_app
+from dflash.serve.api import create_app
+from dflash.serve.guard import AccessPolicy
+from dflash.serve.limits import Limits
 from dflash.serve.metrics import Metrics
+from dflash.serve.state import ServerState
 from dflash.serve.worker import Worker
 
 
@@ -28,17 +31,24 @@ class ServerOptions:
     draft_threshold: float = 0.0  # verify only the leading proposals the draft gives at least this probability
     shutdown_grace: float = 30.0
     log_level: str = "warning"
+    limits: Limits = field(default_factory=Limits)
+    allow_origins: tuple[str, ...] = ()  # web origins a browser may call the API from ("*": any)
 
 
 class DFlashServer(uvicorn.Server):
-    """uvicorn's server, draining the model worker first when it shuts down."""
+    """uvicorn's server, draining first when it shuts down: the listener stays open (503s) until
+    the API requests in flight are answered; a second Ctrl-C skips the wait."""
 
-    def __init__(self, config: uvicorn.Config, worker: Worker, grace: float):
+    def __init__(self, config: uvicorn.Config, state: ServerState, grace: float):
         super().__init__(config)
-        self.worker, self.grace = worker, grace
+        self.state, self.grace = state, grace
+
+    @property
+    def worker(self) -> Worker:
+        return self.state.worker
 
     async def shutdown(self, sockets=None) -> None:
-        self.worker.drain(self.grace)
+        await self.state.drain(self.grace, lambda: self.force_exit)
         await super().shutdown(sockets)
 
 
@@ -51,22 +61,16 @@ def build_server(pipe, options: ServerOptions, start_worker: bool = True) -> DFl
     block = options.block_size or (pipe.draft.config.block_size if pipe.draft is not None else 1)
     metrics = Metrics(num_positions=max(block - 1, 0))
     worker = Worker(pipe, options.max_queue, metrics, options.block_size, draft_threshold=options.draft_threshold)
-    state = ServerState(pipe, worker, metrics, options.model_name, max_len, options.api_key or None)
-    config = uvicorn.Config(create_app(state), host=options.host, port=options.port, log_level=options.log_level,
-                            timeout_graceful_shutdown=int(options.shutdown_grace) + 5, access_log=False)
-    server = DFlashServer(config, worker, options.shutdown_grace)
+    api_key = options.api_key or None
+    state = ServerState(pipe, worker, metrics, options.model_name, max_len, api_key, options.limits)
+    policy = AccessPolicy.build(options.host, options.port, api_key, options.allow_origins)
+    config = uvicorn.Config(create_app(state, policy, options.allow_origins), host=options.host, port=options.port,
+                            log_level=options.log_level, timeout_graceful_shutdown=int(options.shutdown_grace) + 5,
+                            access_log=False)
+    server = DFlashServer(config, state, options.shutdown_grace)
     if start_worker:
         worker.start()
     return server
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def default_name(target: str | None) -> str:

@@ -57,13 +57,12 @@ class Job:
 
 class Worker:
     def __init__(self, pipe, max_queue: int = 64, metrics: Metrics | None = None, block_size: int | None = None,
-                 tokenizer_lock: threading.Lock | None = None, draft_threshold: float = 0.0):
+                 draft_threshold: float = 0.0):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.pipe = pipe
         self.block_size = block_size
         self.draft_threshold = draft_threshold
-        self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the threads that encode
         self.max_queue = max_queue
         self.metrics = metrics
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
@@ -85,10 +84,6 @@ class Worker:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
-
     def submit(self, job: Job) -> None:
         """Queue a job, or raise Unavailable at once: never blocks."""
         if not self._accepting or self._stop.is_set():
@@ -100,13 +95,18 @@ class Worker:
                               "queue_full") from None
 
     def drain(self, grace: float) -> None:
-        """Take no new jobs; let the queued and running ones finish for `grace` seconds, then
-        end them (their clients get a clean error saying the server is shutting down)."""
-        self._accepting = False
+        """Let the queued and running jobs (and those of requests already on their way in)
+        finish for `grace` seconds; then take no more and end the rest (their clients get a
+        clean error saying the server is shutting down). New requests are refused before
+        they get here (the server's guard)."""
         if self._timer is None:
-            self._timer = threading.Timer(max(grace, 0.0), self.abort_all, args=(SHUTDOWN_REASON,))
+            self._timer = threading.Timer(max(grace, 0.0), self._end_all)
             self._timer.daemon = True
             self._timer.start()
+
+    def _end_all(self) -> None:
+        self._accepting = False
+        self.abort_all(SHUTDOWN_REASON)
 
     def abort_all(self, reason: str) -> None:
         with self._queue.mutex:
@@ -153,15 +153,15 @@ class Worker:
             return
         try:
             for event in generate_text(self.pipe, job.input_ids, job.settings, self._stop_ids,
-                                       lambda: job.cancelled, self.block_size, self.tokenizer_lock,
-                                       self.draft_threshold):
+                                       lambda: job.cancelled, self.block_size, draft_threshold=self.draft_threshold):
                 if isinstance(event, Done):
                     self._finish(job, event, started)
                 else:
                     self._emit(job, event)
         except Exception as e:  # keep serving: this request fails, the next one runs
             log.exception("generation failed")
-            self._emit(job, Failed(f"generation failed: {type(e).__name__}: {e}"))
+            self._emit(job, Failed(f"the generation failed: an internal error ({type(e).__name__}), "
+                                   "logged on the server"))
 
     def _finish(self, job: Job, done: Done, started: float) -> None:
         if self.metrics is not None:
