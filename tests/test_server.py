@@ -4,7 +4,6 @@ bad requests, the API key, /metrics, client disconnects, the bounded queue, shut
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -12,14 +11,19 @@ import time
 import httpx
 import openai
 import pytest
-import torch
-from prometheus_client.parser import text_string_to_metric_families
-from test_server_support import LiveServer, tiny_pipeline
+from test_server_support import (  # noqa: F401  (offline_chat: test_chat imports it from here)
+    MODEL,
+    LiveServer,
+    client,
+    metrics,
+    offline_chat,
+    offline_text,
+    slow_pipeline,
+    tiny_pipeline,
+    wait_for,
+)
 
 from dflash.engine.loop import dflash_generate
-from dflash.engine.target import TargetModel
-
-MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -31,39 +35,6 @@ def pipe():
 def server(pipe):
     with LiveServer(pipe, model_name=MODEL) as s:
         yield s
-
-
-def client(url: str, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-def offline(pipe, ids, max_tokens, temperature=0.0, seed=None, **kw) -> str:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    out = dflash_generate(pipe.draft, pipe.target, ids, max_tokens, pipe.stop_token_ids, temperature,
-                          generator=gen, **kw)
-    return pipe.tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-
-
-def offline_text(pipe, prompt, max_tokens, **kw):
-    return offline(pipe, pipe.encode_text(prompt), max_tokens, **kw)
-
-
-def offline_chat(pipe, messages, max_tokens, **kw):
-    return offline(pipe, pipe.encode_chat(messages), max_tokens, **kw)
-
-
-def metrics(url: str) -> dict:
-    """Samples of /metrics, parsed by prometheus-client: {(name, labels): value}."""
-    text = httpx.get(url + "/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def wait_for(cond, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
 
 
 # -- answers -----------------------------------------------------------------------------
@@ -271,19 +242,9 @@ def test_api_key(pipe):
 
 # -- disconnects, the queue, shutdown: on a target that takes 15 ms a forward ---------------
 
-class SlowTarget(TargetModel):
-    def __init__(self, model, delay: float):
-        super().__init__(model)
-        self.delay = delay
-
-    def forward_hidden(self, *args, **kwargs):  # every target pass (prefill and verify) goes through it
-        time.sleep(self.delay)
-        return super().forward_hidden(*args, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def slow_pipe(pipe):
-    return dataclasses.replace(pipe, target=SlowTarget(pipe.target.model, 0.015))
+    return slow_pipeline(pipe, 0.015)
 
 
 def aborted(url: str) -> float:

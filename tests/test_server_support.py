@@ -4,6 +4,7 @@ tiny model saved to a folder, the offline answers to compare with, /metrics pars
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash.engine.loop import dflash_generate
+from dflash.engine.target import TargetModel
 from dflash.testing import tiny_pipeline, tiny_tokenizer  # noqa: F401  (re-exported for the server tests)
 from dflash.text.detok import complete_text
 from dflash.text.pipeline import Pipeline
@@ -72,11 +74,17 @@ def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def offline(pipe, ids, max_tokens, temperature=0.0, seed=None, **kw) -> str:
+def offline_answer(pipe, ids, max_tokens, temperature=0.0, seed=None, **kw) -> tuple[str, str]:
+    """What the server should answer, computed offline: (text, finish_reason)."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    out = dflash_generate(pipe.draft, pipe.target, ids, max_tokens, pipe.stop_token_ids, temperature,
-                          generator=gen, **kw)
-    return complete_text(pipe.tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+    r = dflash_generate(pipe.draft, pipe.target, ids, max_tokens, pipe.stop_token_ids, temperature,
+                        generator=gen, return_stats=True, **kw)
+    text = pipe.tokenizer.decode(r.output_ids[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    return complete_text(text), r.finish_reason
+
+
+def offline(pipe, ids, max_tokens, **kw) -> str:
+    return offline_answer(pipe, ids, max_tokens, **kw)[0]
 
 
 def offline_text(pipe, prompt, max_tokens, **kw):
@@ -164,3 +172,18 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+class SlowTarget(TargetModel):
+    def __init__(self, model, delay: float):
+        super().__init__(model)
+        self.delay = delay
+
+    def forward_hidden(self, *args, **kwargs):  # every target pass (prefill and verify) goes through it
+        time.sleep(self.delay)
+        return super().forward_hidden(*args, **kwargs)
+
+
+def slow_pipeline(pipe: Pipeline, delay: float) -> Pipeline:
+    """`pipe` on a target that takes at least `delay` seconds a forward pass."""
+    return dataclasses.replace(pipe, target=SlowTarget(pipe.target.model, delay))

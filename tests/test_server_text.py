@@ -5,7 +5,7 @@ import random
 import pytest
 from test_server_support import tiny_tokenizer
 
-from dflash.text.detok import IncrementalDecoder, StopMatcher
+from dflash.text.detok import IncrementalDecoder, StopMatcher, complete_text
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,17 @@ def test_half_characters_are_held_back(tok):
 def test_random_byte_tokens_decode_like_full(tok):
     rng = random.Random(1)
     ids = [rng.randrange(len(tok)) for _ in range(200)]
-    assert _stream(IncrementalDecoder(tok), ids, [rng.randint(1, 4) for _ in range(60)]) == tok.decode(
-        ids, skip_special_tokens=True)
+    assert _stream(IncrementalDecoder(tok), ids, [rng.randint(1, 4) for _ in range(60)]) == complete_text(
+        tok.decode(ids, skip_special_tokens=True))
+
+
+def test_a_half_character_at_the_end_is_dropped(tok):
+    """Cut mid-character (max_tokens): the answer ends before it, never in U+FFFD."""
+    ids = tok("ok \U0001f600", add_special_tokens=False).input_ids
+    assert tok.decode(ids[:-1]).endswith("\ufffd")
+    dec = IncrementalDecoder(tok)
+    text = dec.push(ids[:-1]) + dec.flush()
+    assert text == "ok " and complete_text(tok.decode(ids[:-1])) == "ok "
 
 
 def _feed_all(matcher, pieces):
