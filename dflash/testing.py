@@ -96,3 +96,37 @@ def tiny_pipeline(seed: int = 0, block_size: int = 4, max_positions: int = 256, 
     dcfg = DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=block_size,
                                    mask_token_id=tok.convert_tokens_to_ids("<|MASK|>"))
     return Pipeline(TargetModel(target), DFlashDraftModel(dcfg).eval(), tok, draft_trained=False)
+
+
+def exact_law(model, prompt, params):
+    """P(t1, t2, t3 | prompt) under the target's own sampling (temperature, top-k, top-p), by
+    enumerating every (t1, t2): a (V^3,) vector indexed t1*V*V + t2*V + t3. For vocabularies of
+    a few tokens. model: an HF causal LM; prompt: (1, T) token ids."""
+    import itertools
+
+    import torch
+
+    from dflash.engine.sampling import probabilities
+
+    v = model.config.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(v), repeat=2)))  # (V^2, 2)
+    with torch.no_grad():
+        logits = model(torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)).logits  # (V^2, T+2, V)
+    p = probabilities(logits[:, -3:], params)  # (V^2, 3, V): p(t1|x), p(t2|x,t1), p(t3|x,t1,t2)
+    rows = torch.arange(len(seqs))
+    law = p[rows, 0, seqs[:, 0], None] * p[rows, 1, seqs[:, 1], None] * p[:, 2]  # (V^2, V)
+    return law.flatten()
+
+
+def chi2_pvalue(counts, law) -> float:
+    """Chi-square goodness of fit of observed `counts` to the probabilities `law` (same shape),
+    pooling the cells too rare for the approximation (expected < 5) into one."""
+    import torch
+    from scipy.stats import chisquare
+
+    keep = law * counts.sum() >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([law[keep], law[~keep].sum()[None]]) * counts.sum()
+    if exp[-1] == 0:  # nothing rare but cells the law excludes (callers assert those stay empty)
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)

@@ -83,10 +83,9 @@ def test_stop_token_in_prompt_is_ignored(llama, llama_draft):
     assert torch.equal(dflash_generate(llama_draft, llama, ids, 12, [5], block_size=8), ref)
 
 
-class OracleProposer:
+class OracleProposer(gen.Proposer):
     """Proposes the target's own continuation (optionally with a wrong token planted at block
-    position `plant_at`): the loop's proposer seam, no patching."""
-    layer_ids = None  # reads no target hidden states
+    position `plant_at`): the loop's proposer seam, no patching. Reads no hidden states."""
 
     def __init__(self, continuation, prompt_len, plant_at=None):
         self.continuation, self.prompt_len, self.plant_at = continuation, prompt_len, plant_at

@@ -1,15 +1,14 @@
 """Sampled speculative output has the target's distribution, for both verification rules."""
 
 import copy
-import itertools
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from dflash.engine.sampling import SamplingParams, probabilities, verify_rejection
+from dflash.engine.sampling import SamplingParams, verify_rejection
 from dflash.model import dflash_generate
-from dflash.testing import tiny_draft, tiny_target
+from dflash.testing import chi2_pvalue, exact_law, tiny_draft, tiny_target
 
 V = 4  # a tiny vocabulary so the exact joint law of three tokens (64 cells) can be enumerated
 
@@ -24,19 +23,6 @@ def peaked():
     return target, draft
 
 
-def exact_law(target, prompt, params):
-    """P(t1, t2, t3 | prompt) under the target's own sampling, by enumeration."""
-    seqs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # (V^2, 2)
-    ids = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
-    with torch.no_grad():
-        logits = target(ids).logits  # (V^2, T+2, V)
-    p = probabilities(logits[:, -3:], params)  # (V^2, 3, V): p(t1|x), p(t2|x,t1), p(t3|x,t1,t2)
-    law = torch.zeros(V, V, V)
-    for row, (a, b) in enumerate(seqs.tolist()):
-        law[a, b] = p[row, 0, a] * p[row, 1, b] * p[row, 2]
-    return law.flatten()
-
-
 def draw(target, draft, prompt, params, n, seed, threshold=0.0):
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V ** 3)
@@ -46,15 +32,6 @@ def draw(target, draft, prompt, params, n, seed, threshold=0.0):
         a, b, c = out[0, -3:].tolist()
         counts[a * V * V + b * V + c] += 1
     return counts
-
-
-def chi2_pvalue(counts, law):
-    keep = law * counts.sum() >= 5  # pool the cells too rare for the chi-square approximation
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    exp = torch.cat([law[keep], law[~keep].sum()[None]]) * counts.sum()
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
 
 
 @pytest.mark.slow

@@ -18,8 +18,15 @@ def brute_match(text: list[int]) -> int:
 
 
 def brute_continuations(text: list[int], m: int, max_len: int) -> list[tuple[int, ...]]:
-    n = len(text)
-    return [tuple(text[e + 1:e + 1 + max_len]) for e in range(m - 1, n - 1) if text[e - m + 1:e + 1] == text[n - m:]]
+    """What followed each earlier occurrence, the text extended as if it kept repeating from there."""
+    n, out = len(text), []
+    for e in range(m - 1, n - 1):
+        if text[e - m + 1:e + 1] == text[n - m:]:
+            longer = list(text)
+            while len(longer) < e + 1 + max_len:
+                longer.append(longer[len(longer) - (n - 1 - e)])
+            out.append(tuple(longer[e + 1:e + 1 + max_len]))
+    return out
 
 
 @pytest.mark.parametrize("alphabet", [2, 3, 7])
@@ -69,7 +76,7 @@ def test_min_match_and_bad_tokens():
     index = SuffixIndex([5, 6, 7, 5], min_match=2)
     assert index.match_length() == 1 and index.propose(4) == []
     index.extend([6])
-    assert [c.tokens for c in index.propose(4)] == [(7, 5, 6)]
+    assert [c.tokens for c in index.propose(4)] == [(7, 5, 6, 7)]  # the loop 5 6 7 continues past the end
     assert SuffixIndex([1, 2, 3]).propose(4) == [] and SuffixIndex().propose(4) == []
     with pytest.raises(ValueError, match=">= 0"):
         index.extend([-3])

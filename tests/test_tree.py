@@ -14,7 +14,7 @@ from dflash.engine.sampling import SamplingParams, probabilities
 from dflash.engine.target import TargetModel
 from dflash.engine.tree import Candidate, TokenTree, TreeBuilder, path_rows, walk
 from dflash.engine.tree_verify import commit_path, tree_forward
-from dflash.testing import TINY, tiny_target
+from dflash.testing import TINY, chi2_pvalue, exact_law, tiny_target
 
 
 @pytest.fixture(autouse=True)
@@ -260,25 +260,6 @@ def test_greedy_tree_generation_equals_hf_generate(targets, name):
 V = 4  # a tiny vocabulary: the exact law of three tokens (64 cells) can be enumerated
 
 
-def _exact_law(model, prompt, params):
-    """P(t1, t2, t3 | prompt) under the target's own sampling, by enumeration."""
-    seqs = torch.tensor(list(itertools.product(range(V), repeat=2)))  # (V^2, 2)
-    with torch.no_grad():
-        logits = model(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits  # (V^2, T+2, V)
-    p = probabilities(logits[:, -3:], params)  # (V^2, 3, V)
-    law = torch.stack([p[r, 0, a] * p[r, 1, b] * p[r, 2] for r, (a, b) in enumerate(seqs.tolist())])  # (V^2, V)
-    return law.flatten()
-
-
-def _pvalue(counts, law):
-    keep = law * counts.sum() >= 5  # pool the cells too rare for the chi-square approximation
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    exp = torch.cat([law[keep], law[~keep].sum()[None]]) * counts.sum()
-    if exp[-1] == 0:  # nothing rare but the cells the law excludes (asserted empty apart)
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
-
-
 @pytest.mark.parametrize("params", [SamplingParams(0.9, top_p=0.95), SamplingParams(1.0, top_k=3)],
                          ids=["top-p", "top-k"])
 def test_sampled_tree_walk_follows_the_target_distribution(params):
@@ -290,7 +271,7 @@ def test_sampled_tree_walk_follows_the_target_distribution(params):
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)
     target, prompt = TargetModel(model), [1, 3, 2]
-    law = _exact_law(model, torch.tensor([prompt]), params)
+    law = exact_law(model, torch.tensor([prompt]), params)
     assert law.max() < 0.5
     passes, shapes = {}, torch.Generator().manual_seed(12)
 
@@ -316,10 +297,10 @@ def test_sampled_tree_walk_follows_the_target_distribution(params):
         counts[a * V * V + b * V + c] += 1
     assert lengths >= {0, 1, 2}  # rejections at the root and deeper
     assert counts[law == 0].sum() == 0
-    assert _pvalue(counts, law) > 1e-3
+    assert chi2_pvalue(counts, law) > 1e-3
     biased = law.clone().view(V, V, V)
     biased[..., 0] += 0.05 * biased.sum(-1)
-    assert _pvalue(counts, (biased / biased.sum()).flatten()) < 1e-3
+    assert chi2_pvalue(counts, (biased / biased.sum()).flatten()) < 1e-3
 
 
 def test_sliding_layers_outside_the_covered_families_raise():

@@ -2,9 +2,10 @@
 the target's own token, roll both caches back (docs/METHOD.md). `stream_generate` yields the
 new tokens of each step; `dflash_generate` collects them.
 
-Two seams keep the loop short: a *proposer* makes each step's proposals (`DraftProposer`, the
-DFlash draft, by default) and a *policy* decides whether to draft at all and how many proposals
-to verify (`policy.ThresholdPolicy` by default). Both see only the past, so output stays exact."""
+Two seams keep the loop short: a *proposer* makes each step's proposals, a chain or a tree
+(engine/proposers.py; the DFlash draft's `DraftProposer` by default) and a *policy* decides
+whether to draft at all and how many of a chain's proposals to verify (`policy.ThresholdPolicy`
+by default). Both see only the past, so output stays exact."""
 
 from __future__ import annotations
 
@@ -16,16 +17,19 @@ import torch
 
 from dflash.engine.errors import GenerationError
 from dflash.engine.policy import ThresholdPolicy, VerifyPolicy
+from dflash.engine.proposers import DraftHead, DraftProposer, Proposal, Proposer
 from dflash.engine.request import SamplingParams, check_request
-from dflash.engine.sampling import next_token, probabilities, sample, verify_greedy, verify_match, verify_rejection
+from dflash.engine.sampling import next_token, probabilities, verify_greedy, verify_match, verify_rejection
 from dflash.engine.stats import SpecStats
 from dflash.engine.target import TargetModel, as_target
 from dflash.engine.timing import NULL_TIMER, NullTimer
+from dflash.engine.tree import TokenTree, path_rows, walk
+from dflash.engine.tree_verify import commit_path, tree_forward
 
 if TYPE_CHECKING:  # the loop drives any draft with this interface; draft.spec_generate calls the loop
     from dflash.engine.draft import DFlashDraftModel
 
-__all__ = ["DraftHead", "DraftProposer", "GenerationError", "GenerationResult", "Proposal", "Step",
+__all__ = ["DraftHead", "DraftProposer", "GenerationError", "GenerationResult", "Proposal", "Proposer", "Step",
            "dflash_generate", "stream_generate"]
 
 
@@ -36,6 +40,7 @@ class Step:
     proposed: int  # proposals verified this step (0 for the prefill token and plain steps)
     accepted: int  # of which accepted
     finish_reason: str | None = None  # "stop", "length" or None while running
+    sources: tuple[str, ...] = ()  # per accepted token: the proposer source(s) it came from
 
 
 @dataclass
@@ -63,94 +68,6 @@ class GenerationResult:
     @property
     def draft_steps(self) -> int:
         return self.stats.num_drafts
-
-
-@dataclass
-class Proposal:
-    """One step's proposals: the tokens to verify, and what the verdict and the policy need."""
-    tokens: torch.Tensor  # (1, K)
-    probs: torch.Tensor | None = None  # (1, K, V) the proposer's q, for rejection sampling; None: deterministic
-    conf: torch.Tensor | None = None  # (K,) the proposer's probability of each proposal, for the policy
-
-    def slice(self, start: int, stop: int | None) -> "Proposal":
-        probs = None if self.probs is None else self.probs[:, start:stop]
-        conf = None if self.conf is None else self.conf[start:stop]
-        return Proposal(self.tokens[:, start:stop], probs, conf)
-
-    @property
-    def size(self) -> int:
-        return self.tokens.shape[1]
-
-
-@dataclass
-class DraftHead:
-    """The lm_head the draft proposes with: all rows, or only its draft vocabulary's."""
-    ids: torch.Tensor | None = None  # (K,) vocabulary ids of the rows, None = the full head
-    rows: torch.Tensor | None = None  # (K, H)
-
-    @classmethod
-    def build(cls, draft: DFlashDraftModel, target: TargetModel) -> "DraftHead":
-        """The head of the draft's own `draft_vocab` (the full head without one)."""
-        return cls.of(None if draft is None else draft.config.draft_vocab, target)
-
-    @classmethod
-    def of(cls, vocab: list[int] | None, target: TargetModel) -> "DraftHead":
-        """The head over the vocabulary ids `vocab` (None: the full head)."""
-        if vocab is None:
-            return cls()
-        ids = torch.tensor(vocab, dtype=torch.long, device=target.device)
-        return cls(ids, target.head_rows(ids))
-
-    def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (1, S, H) -> (1, S, V or K) the draft's logits."""
-        return target.logits(hidden, self.rows)
-
-    def to_vocab(self, idx: torch.Tensor) -> torch.Tensor:
-        return idx if self.ids is None else self.ids[idx]
-
-    def full_probs(self, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """q: (1, K', Kv) over the draft vocabulary -> (1, K', V) over the whole vocabulary."""
-        if self.ids is None:
-            return q
-        return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, self.ids, q)
-
-
-class DraftProposer:
-    """The DFlash draft as a proposer: one parallel pass over [last, mask x (size-1)] reading
-    the target's hidden states of the committed tokens it has not seen yet."""
-
-    def __init__(self, draft: DFlashDraftModel, target: TargetModel, params: SamplingParams, mask_id: int,
-                 generator: torch.Generator | None = None, window: int | None = None, timer: NullTimer = NULL_TIMER,
-                 head: DraftHead | None = None):
-        """`head`: the rows the draft proposes from (default: its own draft vocabulary's)."""
-        self.draft, self.target, self.params, self.mask_id = draft, target, params, mask_id
-        self.generator, self.timer = generator, timer
-        self.layer_ids = draft.config.target_layer_ids  # the target layers whose outputs are the context
-        self.cache = draft.new_cache(window)
-        self.head = head if head is not None else DraftHead.build(draft, target)
-
-    def propose(self, ctx_hidden: torch.Tensor, last: torch.Tensor, pos: int, size: int,
-                want_conf: bool = False) -> Proposal:
-        """ctx_hidden: (1, C, kH) the context not yet in the draft cache; last: (1,) the last
-        committed token, at position `pos`; -> up to size-1 proposals."""
-        block = torch.full((1, size), self.mask_id, dtype=torch.long, device=last.device)  # (1, S)
-        block[:, 0] = last
-        noise = self.target.embed(block, self.draft.config.input_embedding_scale)  # (1, S, H)
-        positions = torch.arange(self.cache.length, pos + size, device=last.device)[None]  # (1, C+S)
-        with self.timer.span("draft_forward"):
-            hidden = self.draft(positions, noise_embedding=noise, target_hidden=ctx_hidden,
-                                past_key_values=self.cache, use_cache=True)  # (1, S, H)
-        self.cache.crop_to(pos)  # keep the context, drop the block's K/V
-        with self.timer.span("draft_head"):
-            logits = self.head.logits(self.target, hidden[:, 1:])  # (1, S-1, V or draft vocabulary)
-        if self.params.greedy or self.params.rule == "match":
-            idx = logits.argmax(-1)  # (1, S-1)
-            conf = torch.softmax(logits.float(), dim=-1).amax(-1)[0] if want_conf else None  # (S-1,)
-            return Proposal(self.head.to_vocab(idx), None, conf)
-        q = probabilities(logits, self.params)  # (1, S-1, V or draft vocabulary)
-        idx = sample(q, self.generator)  # (1, S-1)
-        conf = q.gather(-1, idx[..., None])[0, :, 0]  # (S-1,) the draft's probability of each sample
-        return Proposal(self.head.to_vocab(idx), self.head.full_probs(q, self.target.info.vocab_size), conf)
 
 
 def _verdict(block: Proposal, logits: torch.Tensor, params: SamplingParams, generator):
@@ -186,6 +103,25 @@ def _verify(block: Proposal, target: TargetModel, final: torch.Tensor, params: S
     return 1 + n, tok
 
 
+def _verify_chain(block: Proposal, target: TargetModel, cache, last, layer_ids, params, generator, timer):
+    """One pass over [last, proposals] -> (accepted tokens, bonus (1,), hidden (1, 1+K, kH) | None)."""
+    verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, 1 + K)
+    with timer.span("verify_forward"):
+        final, hidden = target.forward_hidden(verify_ids, cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
+    n, bonus = _verify(block, target, final, params, generator, timer)
+    return block.tokens[0, :n].tolist(), bonus, hidden
+
+
+def _verify_tree(tree: TokenTree, target: TargetModel, cache, last, layer_ids, params, generator, timer):
+    """One pass over [last ; tree nodes], walked from the root (exact for any tree: the target's
+    own token picks the child) -> (accepted node path, bonus (1,), hidden (1, 1+N, kH) | None)."""
+    with timer.span("verify_forward"):
+        final, hidden = tree_forward(target, cache, int(last), tree, layer_ids)  # (1, 1+N, H), (1, 1+N, kH)
+    with timer.span("verify_head"):
+        verdict = walk(tree, lambda rows: target.logits(final[:, rows])[0], params, generator)  # lazy head
+    return verdict.path, torch.tensor([verdict.bonus], device=last.device), hidden
+
+
 @torch.inference_mode()
 def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int,
                     stop_token_ids=None, params: SamplingParams = SamplingParams(), block_size: int | None = None,
@@ -199,7 +135,8 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     `proposer` (default: the draft's `DraftProposer`) and `policy` (default: `ThresholdPolicy`)
     are the loop's seams; `timer` is the profiling seam (`engine.timing.PartTimer`)."""
     target = as_target(target)
-    checked = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, draft_threshold)
+    checked = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, draft_threshold,
+                          proposer)
     block_size, max_new_tokens = checked.block_size, checked.max_new_tokens
     if max_new_tokens == 0:
         return
@@ -209,11 +146,15 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     policy = policy or ThresholdPolicy(draft_threshold)
     layer_ids = getattr(proposer, "layer_ids", None) if block_size > 1 else None
     target_cache = target.new_cache()
+    if proposer is not None:
+        proposer.start(input_ids[0].tolist())
 
     logits, ctx_hidden = target.forward(input_ids, target_cache, layer_ids, logits_to_keep=1)  # (1, 1, V), (1, T, kH)
     last = next_token(logits[:, -1], params, generator)  # (1,)
     generated, pos = 1, input_ids.shape[1]  # pos: position of `last`, not yet in the target cache
     finish = "stop" if int(last) in stop else ("length" if generated >= max_new_tokens else None)
+    if proposer is not None:
+        proposer.commit([int(last)], None)
     yield Step([int(last)], 0, 0, finish)
 
     empty = Proposal(torch.empty(1, 0, dtype=torch.long, device=last.device))
@@ -222,29 +163,43 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
         block = empty
         if size > 1 and policy.draft_now():
             block = proposer.propose(ctx_hidden, last, pos, size, policy.needs_confidence)
-            block, ctx_hidden = block.slice(0, policy.verify_count(block.conf, block.size)), None
-        verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, 1 + K)
-        with timer.span("verify_forward"):
-            final, hidden = target.forward_hidden(verify_ids, target_cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
-        n_accepted, last = _verify(block, target, final, params, generator, timer)
-        new = block.tokens[0, :n_accepted].tolist() + [int(last)]
+            if isinstance(block, Proposal):
+                block = block.slice(0, policy.verify_count(block.conf, block.size))
+            ctx_hidden = None  # the draft pass consumed the context
+        if isinstance(block, TokenTree):
+            path, last, hidden = _verify_tree(block, target, target_cache, last, layer_ids, params, generator, timer)
+            accepted = block.tokens[path].tolist()
+        else:
+            accepted, last, hidden = _verify_chain(block, target, target_cache, last, layer_ids, params, generator,
+                                                   timer)
+            path = None
+        new = accepted + [int(last)]
         for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
             if t in stop:
                 new, finish = new[: i + 1], "stop"
                 break
-        target_cache.crop_to(pos + len(new))  # keep `last` and the accepted proposals
+        kept = len(new) - 1  # accepted tokens committed (a stop token may cut them)
+        if path is None:
+            target_cache.crop_to(pos + len(new))  # keep `last` and the accepted proposals
+            rows, sources = slice(0, len(new)), (block.source,) * kept
+        else:
+            commit_path(target_cache, pos, path[:kept])  # keep the root and the accepted path, compacted
+            rows, sources = path_rows(path[:kept], last.device), tuple(block.sources[i] for i in path[:kept])
         if hidden is not None:  # the next context: what the draft has not seen yet
-            seen = hidden[:, : len(new)]  # (1, n, kH)
+            seen = hidden[:, rows]  # (1, n, kH)
             ctx_hidden = seen if ctx_hidden is None else torch.cat([ctx_hidden, seen], dim=1)
-        policy.observe(block.size, n_accepted)
+        n_accepted = len(accepted)
+        policy.observe(len(block), n_accepted)
+        if proposer is not None:
+            proposer.commit(new, path)
         pos, generated = pos + len(new), generated + len(new)
         if finish is None and generated >= max_new_tokens:
             finish = "length"
-        yield Step(new, block.size, n_accepted, finish)
+        yield Step(new, len(block), n_accepted, finish, sources)
 
 
 def _check_args(draft, target: TargetModel, input_ids, max_new_tokens, block_size, mask_token_id,
-                draft_threshold):
+                draft_threshold, proposer=None):
     """The torch side of `request.check_request`: the tensor's own checks, then the shared ones."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise GenerationError("input_ids must be a (1, T) LongTensor of token ids")
@@ -253,7 +208,7 @@ def _check_args(draft, target: TargetModel, input_ids, max_new_tokens, block_siz
     n_in = input_ids.shape[1]
     id_range = (int(input_ids.min()), int(input_ids.max())) if n_in else (0, 0)
     return check_request(draft.config if draft is not None else None, target.info, None, n_in, max_new_tokens,
-                         block_size, mask_token_id, draft_threshold, id_range)
+                         block_size, mask_token_id, draft_threshold, id_range, proposer is not None)
 
 
 def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int,
@@ -275,7 +230,7 @@ def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Ten
             ttft = time.perf_counter() - start
         else:
             lengths.append(len(step.tokens))
-            stats.add(step.proposed, step.accepted, len(step.tokens))
+            stats.add(step.proposed, step.accepted, len(step.tokens), step.sources)
         finish = step.finish_reason or finish
     output_ids = torch.cat([input_ids, torch.tensor([tokens], dtype=torch.long, device=input_ids.device)], dim=1)
     if not return_stats:

@@ -75,10 +75,12 @@ class Checked:
 
 
 def check_request(draft_config, info: TargetInfo, ids: Sequence[int] | None, num_ids: int, max_new_tokens,
-                  block_size=None, mask_token_id=None, draft_threshold=0.0, id_range=None) -> Checked:
+                  block_size=None, mask_token_id=None, draft_threshold=0.0, id_range=None,
+                  other_proposer: bool = False) -> Checked:
     """Check one request against the draft config (None: no draft) and the target. `num_ids`
     is the prompt length; `id_range` the prompt's (min id, max id) when already known (a
-    tensor's min/max), else taken from `ids`. Raise GenerationError naming the problem."""
+    tensor's min/max), else taken from `ids`. `other_proposer`: proposals come from elsewhere
+    (an n-gram index), so a block needs no draft. Raise GenerationError naming the problem."""
     if num_ids == 0:
         raise GenerationError("the prompt is empty: give at least one token")
     if num_ids >= info.max_positions:
@@ -95,9 +97,9 @@ def check_request(draft_config, info: TargetInfo, ids: Sequence[int] | None, num
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise GenerationError(f"block_size must be an integer >= 1, got {block_size!r}")
     mask_id = draft_config.mask_token_id if mask_token_id is None and draft_config is not None else mask_token_id
-    if block_size > 1:
-        if draft_config is None:
-            raise GenerationError("block_size > 1 needs a draft model")
+    if block_size > 1 and draft_config is None and not other_proposer:
+        raise GenerationError("block_size > 1 needs a draft model (or another proposer)")
+    if block_size > 1 and draft_config is not None:
         check_pair(draft_config, info)
         if not 0 <= mask_id < info.vocab_size:
             raise GenerationError(f"mask_token_id {mask_id} is outside the target vocabulary of {info.vocab_size}")

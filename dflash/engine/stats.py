@@ -21,11 +21,16 @@ class SpecStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by block position 0..B-2
     num_plain_steps: int = 0  # verify steps without proposals (not counted in tau)
     num_tokens: int = 0  # tokens committed by the folded steps, every step's
+    num_accepted_tokens_per_source: dict[str, int] = field(default_factory=dict)  # "draft", "suffix", ...
 
-    def add(self, proposed: int, accepted: int, committed: int | None = None) -> None:
+    def add(self, proposed: int, accepted: int, committed: int | None = None, sources=()) -> None:
         """Fold one step: `proposed` proposals verified, `accepted` of them kept, `committed`
-        tokens added (default accepted + 1; less when a stop token or the length cut it)."""
+        tokens added (default accepted + 1; less when a stop token or the length cut it);
+        `sources`: per committed proposal, the source(s) that proposed it ("draft+suffix")."""
         self.num_tokens += accepted + 1 if committed is None else committed
+        for joined in sources:
+            for s in joined.split("+"):
+                self.num_accepted_tokens_per_source[s] = self.num_accepted_tokens_per_source.get(s, 0) + 1
         if proposed <= 0:
             self.num_plain_steps += 1
             return
@@ -40,7 +45,10 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> "SpecStats":
         """A new SpecStats with both counts summed."""
         out = SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                        list(self.num_accepted_tokens_per_pos), self.num_plain_steps, self.num_tokens)
+                        list(self.num_accepted_tokens_per_pos), self.num_plain_steps, self.num_tokens,
+                        dict(self.num_accepted_tokens_per_source))
+        for s, c in other.num_accepted_tokens_per_source.items():
+            out.num_accepted_tokens_per_source[s] = out.num_accepted_tokens_per_source.get(s, 0) + c
         out.num_drafts += other.num_drafts
         out.num_draft_tokens += other.num_draft_tokens
         out.num_accepted_tokens += other.num_accepted_tokens
@@ -69,6 +77,7 @@ class SpecStats:
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
                 "num_plain_steps": self.num_plain_steps,
+                "num_accepted_tokens_per_source": dict(self.num_accepted_tokens_per_source),
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "draft_acceptance_rate": round(self.acceptance_rate, 4)}
 

@@ -99,14 +99,27 @@ class _Automaton:
                 state, n = self.next[state][token], n + 1
         return state, n
 
+    def _following(self, e: int, max_len: int) -> list[int]:
+        """Up to `max_len` tokens after position e, as if the text went on repeating from there:
+        past the end, the continuation copies itself (period = the distance from e to the end),
+        so a run or a loop the text is in is proposed whole, not one token at a time."""
+        n, out = len(self.tokens), []
+        for j in range(max_len):
+            k = e + 1 + j
+            if k >= n and k - n >= len(out):  # an occurrence ending at the end has no continuation
+                break
+            t = self.tokens[k] if k < n else out[k - n]
+            if t == SEPARATOR:
+                break
+            out.append(t)
+        return out
+
     def continuations(self, state: int, match_len: int, max_len: int, max_branches: int, max_occurrences: int,
                       source: str) -> list[Candidate]:
         """What followed the occurrences of `state`'s strings, scored as the module says."""
         conts = []
         for e in self.ends(state, max_occurrences):
-            cont = self.tokens[e + 1:e + 1 + max_len]
-            if SEPARATOR in cont:
-                cont = cont[:cont.index(SEPARATOR)]
+            cont = self._following(e, max_len)
             if cont:
                 conts.append(tuple(cont))
         if not conts:
@@ -139,6 +152,10 @@ class SuffixIndex:
             if int(t) < 0:
                 raise ValueError(f"token ids are >= 0, got {int(t)}")
             self._sam.append(int(t))
+
+    def tail(self, n: int) -> list[int]:
+        """The text's last `n` tokens."""
+        return list(self._sam.tokens[-n:]) if n > 0 else []
 
     def match_length(self) -> int:
         """Length of the longest suffix of the text that also ends earlier in it."""

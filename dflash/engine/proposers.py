@@ -1,0 +1,214 @@
+"""Proposers: what a verify step checks. A proposer turns the committed text (and, for the DFlash
+draft, the target's hidden states) into a *chain* (`Proposal`: tokens in order) or a *tree*
+(`tree.TokenTree`: several continuations, shared prefixes once) for the target to verify.
+
+- `DraftProposer`: the DFlash draft, one parallel pass per step (docs/METHOD.md §1).
+- `TreeProposer`: a token tree from the draft's top-k per position (best-first, path score =
+  product of the draft's probabilities, as DDTree) and/or n-gram matches of the prompt and the
+  text so far (`suffix.SuffixIndex`), each source's scores calibrated by its own running
+  acceptance, cut per step to the node budget that maximises expected tokens per second.
+
+A proposer sees only the past, so the verdict keeps output exact whatever it proposes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from dflash.engine.request import SamplingParams
+from dflash.engine.sampling import probabilities, sample
+from dflash.engine.suffix import GlobalSuffixIndex, SuffixIndex
+from dflash.engine.target import TargetModel
+from dflash.engine.timing import NULL_TIMER, NullTimer
+from dflash.engine.tree import TokenTree, TreeBuilder
+
+if TYPE_CHECKING:
+    from dflash.engine.draft import DFlashDraftModel
+
+
+@dataclass
+class Proposal:
+    """One step's chain of proposals: the tokens to verify, and what the verdict and the policy need."""
+    tokens: torch.Tensor  # (1, K)
+    probs: torch.Tensor | None = None  # (1, K, V) the proposer's q, for rejection sampling; None: deterministic
+    conf: torch.Tensor | None = None  # (K,) the proposer's probability of each proposal, for the policy
+    source: str = "draft"
+
+    def slice(self, start: int, stop: int | None) -> "Proposal":
+        probs = None if self.probs is None else self.probs[:, start:stop]
+        conf = None if self.conf is None else self.conf[start:stop]
+        return Proposal(self.tokens[:, start:stop], probs, conf, self.source)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def __len__(self) -> int:
+        return self.tokens.shape[1]
+
+
+class Proposer:
+    """The interface the loop drives; `start` and `commit` do nothing unless a proposer keeps text."""
+    layer_ids: list[int] | None = None  # target layers whose hidden states it reads (None: none)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """The prompt's token ids, before the first step."""
+
+    def propose(self, ctx_hidden, last: torch.Tensor, pos: int, size: int,
+                want_conf: bool = False) -> Proposal | TokenTree:
+        raise NotImplementedError
+
+    def commit(self, tokens: Sequence[int], path: Sequence[int] | None) -> None:
+        """The tokens the step committed (its last one is the new `last`); `path`: the accepted
+        tree nodes of the last proposal when it was a tree."""
+
+
+@dataclass
+class DraftHead:
+    """The lm_head the draft proposes with: all rows, or only its draft vocabulary's."""
+    ids: torch.Tensor | None = None  # (K,) vocabulary ids of the rows, None = the full head
+    rows: torch.Tensor | None = None  # (K, H)
+
+    @classmethod
+    def build(cls, draft: DFlashDraftModel, target: TargetModel) -> "DraftHead":
+        """The head of the draft's own `draft_vocab` (the full head without one)."""
+        return cls.of(None if draft is None else draft.config.draft_vocab, target)
+
+    @classmethod
+    def of(cls, vocab: list[int] | None, target: TargetModel) -> "DraftHead":
+        """The head over the vocabulary ids `vocab` (None: the full head)."""
+        if vocab is None:
+            return cls()
+        ids = torch.tensor(vocab, dtype=torch.long, device=target.device)
+        return cls(ids, target.head_rows(ids))
+
+    def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (1, S, H) -> (1, S, V or K) the draft's logits."""
+        return target.logits(hidden, self.rows)
+
+    def to_vocab(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.ids is None else self.ids[idx]
+
+    def full_probs(self, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """q: (1, K', Kv) over the draft vocabulary -> (1, K', V) over the whole vocabulary."""
+        if self.ids is None:
+            return q
+        return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, self.ids, q)
+
+
+class DraftProposer(Proposer):
+    """The DFlash draft as a proposer: one parallel pass over [last, mask x (size-1)] reading
+    the target's hidden states of the committed tokens it has not seen yet."""
+
+    def __init__(self, draft: DFlashDraftModel, target: TargetModel, params: SamplingParams, mask_id: int,
+                 generator: torch.Generator | None = None, window: int | None = None, timer: NullTimer = NULL_TIMER,
+                 head: DraftHead | None = None):
+        """`head`: the rows the draft proposes from (default: its own draft vocabulary's)."""
+        self.draft, self.target, self.params, self.mask_id = draft, target, params, mask_id
+        self.generator, self.timer = generator, timer
+        self.layer_ids = draft.config.target_layer_ids  # the target layers whose outputs are the context
+        self.cache = draft.new_cache(window)
+        self.head = head if head is not None else DraftHead.build(draft, target)
+
+    def logits(self, ctx_hidden: torch.Tensor, last: torch.Tensor, pos: int, size: int) -> torch.Tensor:
+        """ctx_hidden: (1, C, kH) the context not yet in the draft cache; last: (1,) the last
+        committed token, at position `pos` -> (1, size-1, V or draft vocabulary) the draft's logits."""
+        block = torch.full((1, size), self.mask_id, dtype=torch.long, device=last.device)  # (1, S)
+        block[:, 0] = last
+        noise = self.target.embed(block, self.draft.config.input_embedding_scale)  # (1, S, H)
+        positions = torch.arange(self.cache.length, pos + size, device=last.device)[None]  # (1, C+S)
+        with self.timer.span("draft_forward"):
+            hidden = self.draft(positions, noise_embedding=noise, target_hidden=ctx_hidden,
+                                past_key_values=self.cache, use_cache=True)  # (1, S, H)
+        self.cache.crop_to(pos)  # keep the context, drop the block's K/V
+        with self.timer.span("draft_head"):
+            return self.head.logits(self.target, hidden[:, 1:])  # (1, S-1, V or draft vocabulary)
+
+    def propose(self, ctx_hidden, last, pos, size, want_conf=False) -> Proposal:
+        logits = self.logits(ctx_hidden, last, pos, size)  # (1, S-1, Kv)
+        if self.params.greedy or self.params.rule == "match":
+            idx = logits.argmax(-1)  # (1, S-1)
+            conf = torch.softmax(logits.float(), dim=-1).amax(-1)[0] if want_conf else None  # (S-1,)
+            return Proposal(self.head.to_vocab(idx), None, conf)
+        q = probabilities(logits, self.params)  # (1, S-1, Kv)
+        idx = sample(q, self.generator)  # (1, S-1)
+        conf = q.gather(-1, idx[..., None])[0, :, 0]  # (S-1,) the draft's probability of each sample
+        return Proposal(self.head.to_vocab(idx), self.head.full_probs(q, self.target.info.vocab_size), conf)
+
+
+class Calibration:
+    """Per source: accepted nodes over the scores it claimed for them, with a prior of one
+    accepted node per unit of score, so a source that over-promises is weighted down."""
+
+    def __init__(self, prior: float = 1.0):
+        self.accepted: dict[str, float] = {}
+        self.claimed: dict[str, float] = {}
+        self.prior = prior
+
+    def weight(self, source: str) -> float:
+        return (self.accepted.get(source, 0.0) + self.prior) / (self.claimed.get(source, 0.0) + self.prior)
+
+    def observe(self, tree: TokenTree, path: Sequence[int], weights: dict[str, float]) -> None:
+        on_path = set(path)
+        for i, (score, sources) in enumerate(zip(tree.scores.tolist(), tree.sources)):
+            for s in sources.split("+"):
+                self.claimed[s] = self.claimed.get(s, 0.0) + score / weights.get(s, 1.0)
+                self.accepted[s] = self.accepted.get(s, 0.0) + (i in on_path)
+
+
+class TreeProposer(Proposer):
+    """A token tree from the draft's top-k per position and/or n-gram matches of the text so far,
+    cut each step to the node budget that maximises (1 + expected accepted) / step time, where
+    the expected accepted tokens of a tree are the sum of its nodes' calibrated path scores.
+    `verify_cost(n)`: seconds of a verify pass over n tokens (a cost model); None: always
+    `max_nodes`. A budget of 0 makes the step a plain decoding step."""
+
+    def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
+                 max_nodes: int = 24, verify_cost: Callable[[int], float] | None = None, draft_cost: float = 0.0,
+                 global_index: GlobalSuffixIndex | None = None, branches: int = 4):
+        if draft is None and not suffix and global_index is None:
+            raise ValueError("a tree proposer needs a source: the draft, the suffix index or a global index")
+        self.draft, self.use_suffix, self.global_index = draft, suffix, global_index
+        self.top_k, self.max_nodes, self.branches = top_k, max_nodes, branches
+        self.verify_cost, self.draft_cost = verify_cost, draft_cost
+        self.layer_ids = draft.layer_ids if draft is not None else None
+        self.calibration = Calibration()
+        self.index: SuffixIndex | None = None
+        self._last: tuple[TokenTree, dict[str, float]] | None = None
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.index = SuffixIndex(prompt)
+
+    def propose(self, ctx_hidden, last, pos, size, want_conf=False) -> TokenTree:
+        depth = size - 1  # the tree's paths may commit at most `size` tokens
+        weights = {s: self.calibration.weight(s) for s in ("draft", "suffix", "global")}
+        builder = TreeBuilder()
+        if self.draft is not None:
+            probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
+            builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.ids)
+        if self.use_suffix and self.index is not None:
+            builder.add_candidates(self.index.propose(depth, self.branches), weights["suffix"])
+        if self.global_index is not None and self.index is not None:
+            context = self.index.tail(self.global_index.max_context)
+            builder.add_candidates(self.global_index.propose(context, depth, self.branches), weights["global"])
+        tree = builder.build(self._budget(builder.build(self.max_nodes, last.device)), last.device)
+        self._last = (tree, weights)
+        return tree
+
+    def _budget(self, tree: TokenTree) -> int:
+        """The number of best-first nodes n maximising (1 + their summed scores) / step time."""
+        if self.verify_cost is None or len(tree) == 0:
+            return len(tree)
+        gain = torch.cat([tree.scores.new_zeros(1), tree.scores.cumsum(0)]).tolist()  # (N+1,) expected accepted
+        rate = [(1 + g) / (self.draft_cost + self.verify_cost(n + 1)) for n, g in enumerate(gain)]
+        return max(range(len(rate)), key=rate.__getitem__)
+
+    def commit(self, tokens, path) -> None:
+        if self.index is not None:
+            self.index.extend(tokens)
+        if self._last is not None and path is not None:
+            tree, weights = self._last
+            self.calibration.observe(tree, path, weights)
+        self._last = None
