@@ -98,3 +98,17 @@ def test_sampled_hybrid_tree_follows_the_target_distribution(params):
         counts[a * 16 + b * 4 + c] += 1
     assert counts[law == 0].sum() == 0
     assert chi2_pvalue(counts, law) > 1e-3
+
+
+def test_proposers_by_name_and_their_errors():
+    model = tiny_target("llama")
+    target, draft = TargetModel(model), tiny_draft(model, block_size=8)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    ref = hf_greedy(model, ids, 24)
+    for kind in ("draft", "tree", "hybrid"):
+        assert torch.equal(gen.dflash_generate(draft, target, ids, 24, None, proposer=kind), ref), kind
+    assert torch.equal(gen.dflash_generate(None, target, ids, 24, None, proposer="suffix"), ref)  # no draft needed
+    with pytest.raises(ValueError, match="needs a draft"):
+        gen.dflash_generate(None, target, ids, 4, None, proposer="hybrid")
+    with pytest.raises(ValueError, match="unknown proposer"):
+        gen.dflash_generate(draft, target, ids, 4, None, proposer="beam")

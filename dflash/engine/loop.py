@@ -17,7 +17,7 @@ import torch
 
 from dflash.engine.errors import GenerationError
 from dflash.engine.policy import ThresholdPolicy, VerifyPolicy
-from dflash.engine.proposers import DraftHead, DraftProposer, Proposal, Proposer
+from dflash.engine.proposers import DraftHead, DraftProposer, Proposal, Proposer, build_proposer
 from dflash.engine.request import SamplingParams, check_request
 from dflash.engine.sampling import next_token, probabilities, verify_greedy, verify_match, verify_rejection
 from dflash.engine.stats import SpecStats
@@ -127,13 +127,14 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
                     stop_token_ids=None, params: SamplingParams = SamplingParams(), block_size: int | None = None,
                     mask_token_id: int | None = None, generator: torch.Generator | None = None,
                     draft_window: int | None = None, draft_threshold: float = 0.0,
-                    timer: NullTimer = NULL_TIMER, proposer=None, policy: VerifyPolicy | None = None
-                    ) -> Iterator[Step]:
+                    timer: NullTimer = NULL_TIMER, proposer: Proposer | str | None = None,
+                    policy: VerifyPolicy | None = None, cost_model=None) -> Iterator[Step]:
     """Yield one Step per loop iteration: first the prefill token, then each verified block.
     `draft_threshold` > 0: verify only the leading proposals the draft gives at least that
     probability (fewer target tokens per step when the draft is unsure; 0: the whole block).
-    `proposer` (default: the draft's `DraftProposer`) and `policy` (default: `ThresholdPolicy`)
-    are the loop's seams; `timer` is the profiling seam (`engine.timing.PartTimer`)."""
+    `proposer`: a Proposer, or a name of `proposers.PROPOSERS` ("draft", the default: the draft's
+    chain; "tree", "suffix", "hybrid"); `policy` (default: `ThresholdPolicy`) cuts chains;
+    `cost_model` (engine/costmodel.py) sizes trees; `timer` is the profiling seam."""
     target = as_target(target)
     checked = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, draft_threshold,
                           proposer)
@@ -141,8 +142,9 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     if max_new_tokens == 0:
         return
     stop = frozenset(int(t) for t in (stop_token_ids or ()))
-    if proposer is None and block_size > 1:
-        proposer = DraftProposer(draft, target, params, checked.mask_id, generator, draft_window, timer)
+    if block_size > 1 and (proposer is None or isinstance(proposer, str)):
+        proposer = build_proposer(proposer or "draft", draft, target, params, checked.mask_id, generator,
+                                  draft_window, timer, cost_model, block_size)
     policy = policy or ThresholdPolicy(draft_threshold)
     layer_ids = getattr(proposer, "layer_ids", None) if block_size > 1 else None
     target_cache = target.new_cache()
@@ -216,7 +218,7 @@ def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Ten
                     mask_token_id: int | None = None, return_stats: bool = False, top_p: float = 1.0,
                     top_k: int = 0, generator: torch.Generator | None = None, rule: str = "rejection",
                     draft_window: int | None = None, draft_threshold: float = 0.0, proposer=None,
-                    policy: VerifyPolicy | None = None):
+                    policy: VerifyPolicy | None = None, cost_model=None):
     """Speculative generation; the output equals the target's own decoding (greedy: token for
     token; sampled: in distribution). Returns output_ids (1, T+N), or a GenerationResult."""
     params = SamplingParams(temperature, top_p, top_k, rule)
@@ -224,7 +226,8 @@ def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Ten
     tokens, lengths, stats, ttft, finish = [], [], SpecStats(), 0.0, "length"
     for i, step in enumerate(stream_generate(model, target, input_ids, max_new_tokens, stop_token_ids, params,
                                              block_size, mask_token_id, generator, draft_window,
-                                             draft_threshold, proposer=proposer, policy=policy)):
+                                             draft_threshold, proposer=proposer, policy=policy,
+                                             cost_model=cost_model)):
         tokens += step.tokens
         if i == 0:
             ttft = time.perf_counter() - start

@@ -212,3 +212,27 @@ class TreeProposer(Proposer):
             tree, weights = self._last
             self.calibration.observe(tree, path, weights)
         self._last = None
+
+
+PROPOSERS = ("draft", "tree", "suffix", "hybrid")
+
+
+def build_proposer(kind: str, draft: DFlashDraftModel | None, target: TargetModel, params: SamplingParams,
+                   mask_id: int | None, generator: torch.Generator | None = None, window: int | None = None,
+                   timer: NullTimer = NULL_TIMER, cost_model=None, block_size: int = 16,
+                   global_index: GlobalSuffixIndex | None = None) -> Proposer:
+    """A proposer by name: "draft" (the DFlash draft's chain), "tree" (a tree over the draft's
+    top-k), "suffix" (n-gram matches of the prompt and the text so far, no draft), "hybrid"
+    (both in one tree). `cost_model` (engine/costmodel.py) sizes each tree by expected tokens
+    per second; without one a tree keeps its fixed node budget."""
+    if kind not in PROPOSERS:
+        raise ValueError(f"unknown proposer {kind!r}: use one of {', '.join(PROPOSERS)}")
+    if draft is None and kind != "suffix":
+        raise ValueError(f"the {kind!r} proposer needs a draft model")
+    drafter = DraftProposer(draft, target, params, mask_id, generator, window, timer) if draft is not None else None
+    if kind == "draft":
+        return drafter
+    verify_cost = None if cost_model is None else cost_model.verify_ms
+    draft_cost = 0.0 if cost_model is None or kind == "suffix" else cost_model.draft_ms(block_size)
+    return TreeProposer(drafter if kind != "suffix" else None, suffix=kind != "tree", verify_cost=verify_cost,
+                        draft_cost=draft_cost, global_index=global_index)

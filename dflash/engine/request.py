@@ -92,8 +92,8 @@ def check_request(draft_config, info: TargetInfo, ids: Sequence[int] | None, num
         raise GenerationError(f"the prompt holds ids outside the target vocabulary of {info.vocab_size}")
     if not (isinstance(draft_threshold, (int, float)) and 0.0 <= draft_threshold <= 1.0):
         raise GenerationError(f"draft_threshold must be a probability in [0, 1], got {draft_threshold!r}")
-    if block_size is None:
-        block_size = draft_config.block_size if draft_config is not None else 1
+    if block_size is None:  # the draft's; 16 for another proposer alone; else plain decoding
+        block_size = draft_config.block_size if draft_config is not None else (16 if other_proposer else 1)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise GenerationError(f"block_size must be an integer >= 1, got {block_size!r}")
     mask_id = draft_config.mask_token_id if mask_token_id is None and draft_config is not None else mask_token_id
