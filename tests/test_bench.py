@@ -233,3 +233,23 @@ def test_sampled_run_records_every_method(pipe, tmp_path, monkeypatch):
     data = json.loads(out.read_text())
     assert {r["method"] for r in data["records"]} == {BASELINE, "dflash-b4", "loop-b1", "prompt-lookup-10"}
     assert all(r["num_output_tokens"] > 0 for r in data["records"])
+
+
+def test_proposer_methods_stay_exact_and_report_their_sources(pipe):
+    from dflash.engine.costmodel import CostModel
+
+    flat = CostModel(ns=[1, 32], verify=[10.0, 10.0], contexts=[256], context_ns=[1], context_verify=[[10.0]],
+                     rest_ns=[1], rest=[0.0])  # verifying is free here: every tree keeps its whole budget
+    settings = Settings(block_sizes=(8,), prompt_lookup=0, loop_baseline=False, proposers=("tree", "suffix", "hybrid"),
+                        cost_source=lambda p: flat)
+    methods = build_methods(settings)
+    assert [n for n, _ in methods] == [BASELINE, "dflash-b8", "dflash-tree-b8", "suffix-b8", "hybrid-b8"]
+    records = bench.run_bench(pipe, PROMPTS[:2], methods, 16, warmup=False)
+    assert bench.check_equal(records) == []
+    sums = {s.method: s for s in bench.summaries(records, bench.method_block_sizes(records))}  # one dataset
+    assert sums["dflash-tree-b8"].verified_per_step > sums["dflash-b8"].verified_per_step  # a tree checks more nodes
+    for name in ("dflash-tree-b8", "suffix-b8", "hybrid-b8"):
+        share = sums[name].source_share
+        assert not share or abs(sum(share.values()) - 1) < 0.01
+        assert set(share) <= ({"draft"} if name.startswith("dflash") else {"suffix"} if name.startswith("suffix")
+                              else {"draft", "suffix"})

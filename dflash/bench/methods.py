@@ -17,6 +17,7 @@ import torch
 
 from dflash.bench.stats import Record
 from dflash.engine.loop import DraftHead, DraftProposer, stream_generate
+from dflash.engine.stats import SpecStats
 from dflash.engine.sampling import SamplingParams
 
 BASELINE = "target"  # the target alone through HF generate: every speedup is against it
@@ -34,6 +35,8 @@ class Settings:
     draft_vocabs: tuple[int, ...] = ()  # what-if: a draft vocabulary of K frequent ids (largest block)
     vocab_source: Callable | None = None  # (pipeline, K) -> ids; None: frequent_vocabulary
     draft_thresholds: tuple[float, ...] = ()  # also the largest block verifying only proposals with draft prob >= P
+    proposers: tuple[str, ...] = ()  # also these proposers at the largest block: "tree", "suffix", "hybrid"
+    cost_source: Callable | None = None  # pipeline -> its CostModel (sizes trees); None: measured and cached
     notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
 
     def __post_init__(self):
@@ -102,9 +105,12 @@ def _rss() -> int:
 
 
 # ---- our loop ------------------------------------------------------------------------
-def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None, threshold: float = 0.0) -> Method:
-    """dflash's loop at `block_size` (1: plain target decoding through the same loop)."""
+def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None, threshold: float = 0.0,
+                proposer_kind: str | None = None) -> Method:
+    """dflash's loop at `block_size` (1: plain target decoding through the same loop), with the
+    draft's chain or another proposer (`proposer_kind`, sized by the machine's cost model)."""
     vocab: dict[int, list[int]] = {}  # the draft vocabulary per pipeline, built on first use
+    costs: dict[int, object] = {}  # the cost model per pipeline, built on first use
 
     def run(pipe, input_ids, max_new_tokens) -> Record:
         gen = torch.Generator().manual_seed(settings.seed) if settings.temperature > 0 else None
@@ -115,20 +121,29 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
                 vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
             proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
                                      head=DraftHead.of(vocab[id(pipe)], pipe.target))
-        tokens, steps, ttft, finish = [], [], 0.0, "length"
+        cost = None
+        if proposer_kind is not None:
+            if id(pipe) not in costs:
+                costs[id(pipe)] = (settings.cost_source or _measured_costs)(pipe)
+            proposer, cost = proposer_kind, costs[id(pipe)]
+        tokens, steps, ttft, finish, stats = [], [], 0.0, "length", SpecStats()
         with PeakMemory() as mem:
             start = time.perf_counter()
             for i, step in enumerate(stream_generate(pipe.draft if block_size > 1 else None, pipe.target, input_ids,
                                                      max_new_tokens, pipe.stop_token_ids, params, block_size,
-                                                     None, gen, draft_threshold=threshold, proposer=proposer)):
+                                                     None, gen, draft_threshold=threshold, proposer=proposer,
+                                                     cost_model=cost)):
                 if i == 0:
                     ttft = time.perf_counter() - start
                 else:
                     steps.append((step.proposed, step.accepted, len(step.tokens)))
+                    stats.add(step.proposed, step.accepted, len(step.tokens), step.sources)
                 tokens += step.tokens
                 finish = step.finish_reason or finish
             total = time.perf_counter() - start
-        return Record(_loop_name(block_size), tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb)
+        extra = {"accepted_per_source": stats.num_accepted_tokens_per_source} if stats.num_drafts else {}
+        name = _loop_name(block_size) if proposer_kind is None else _proposer_name(proposer_kind, block_size)
+        return Record(name, tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb, extra=extra)
 
     return run
 
@@ -144,6 +159,16 @@ def frequent_vocabulary(pipe, size: int) -> list[int]:
 
 def _loop_name(block_size: int) -> str:
     return "loop-b1" if block_size == 1 else f"dflash-b{block_size}"
+
+
+def _proposer_name(kind: str, block_size: int) -> str:
+    return {"tree": "dflash-tree", "suffix": "suffix", "hybrid": "hybrid"}[kind] + f"-b{block_size}"
+
+
+def _measured_costs(pipe):
+    from dflash.engine.costmodel import load_or_measure
+
+    return load_or_measure(pipe.target, pipe.draft)
 
 
 # ---- HF generate: the target alone, and prompt lookup --------------------------------
@@ -212,6 +237,7 @@ def _loop_methods(settings: Settings):
     if top > 1:
         methods += [(f"{_loop_name(top)}-v{k}", loop_method(top, settings, k)) for k in settings.draft_vocabs]
         methods += [(f"{_loop_name(top)}-t{p:g}", loop_method(top, settings, threshold=p)) for p in settings.draft_thresholds]
+        methods += [(_proposer_name(k, top), loop_method(top, settings, proposer_kind=k)) for k in settings.proposers]
     return methods
 
 

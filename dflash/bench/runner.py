@@ -117,7 +117,7 @@ def results_json(args, pipe, prompts, records, sums, mismatches, notes) -> dict:
         d["prompt"] = {"messages": p.messages, "text": p.text}
         recs.append(d)
     return {"command": "dflash " + shlex.join(sys.argv[1:]) if args is not None else None,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(pipe.target.kernel_info() if hasattr(pipe.target, "kernel_info") else None),
             "draft": pipe.draft_path or "random (untrained)", "draft_trained": pipe.draft_trained,
             "settings": {k: v for k, v in vars(args).items() if k != "func"} if args is not None else None,
             "notes": notes, "mismatches": [vars(m) for m in mismatches],
@@ -149,10 +149,11 @@ def run_bench_command(args) -> int:
         console = Console(stderr=True, width=140)
     datasets = args.datasets if args.datasets is not None else ([] if args.prompts else list(DATASETS))
     prompts = load_prompts(datasets, args.prompts, args.limit)
-    pipe = Pipeline.load(args.target, args.draft)
+    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"))
     blocks = tuple(args.block_size or [pipe.draft.config.block_size])
     settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline,
-                        tuple(args.draft_vocab), draft_thresholds=tuple(args.draft_threshold))
+                        tuple(args.draft_vocab), draft_thresholds=tuple(args.draft_threshold),
+                        proposers=tuple(args.proposers))
     methods = build_methods(settings)
     for note in settings.notes:
         console.print(note, style="yellow", markup=False)
@@ -193,7 +194,8 @@ def _record_line(rec: Record, task) -> str:
 
 def _title(args, pipe) -> str:
     draft = pipe.draft_path or "[red]UNTRAINED random draft[/red]"
-    return f"speedup = median tok/s over the target alone (HF generate, greedy) on the same prompts; draft: {draft}"
+    return (f"speedup = median tok/s over the target alone (HF generate, greedy) on the same prompts; vs loop-b1 = "
+            f"the same over our own loop at block 1 (what speculation adds); draft: {draft}")
 
 
 def _write_outputs(args, pipe, prompts, records, sums, mismatches, notes, console) -> None:

@@ -114,28 +114,47 @@ class Summary:
     speedup: float | None  # ratio of median tokens/s against the baseline, same prompts
     speedup_paired_median: float | None  # median of the per-prompt ratios
     peak_memory_mb: float | None  # max over prompts
+    verified_per_step: float | None = None  # mean tokens a verify pass checks (1 + proposals: a tree's nodes)
+    source_share: dict = field(default_factory=dict)  # share of accepted proposals per source
+    speedup_vs_loop: float | None = None  # as `speedup`, against our own loop at block 1 (what speculation adds)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def summarize(records: list[Record], dataset: str, method: str, baseline: str, block_size: int) -> Summary:
+def _median_speedup(rs: list[Record], base: dict) -> float | None:
+    """Median tokens/s of `rs` over the median of their prompts' `base` records."""
+    paired = [r for r in rs if (r.dataset, r.prompt_id) in base]
+    if not paired:
+        return None
+    m_tps = median([r.tokens_per_s for r in paired])
+    b_tps = median([base[r.dataset, r.prompt_id].tokens_per_s for r in paired])
+    return m_tps / b_tps if m_tps and b_tps else None
+
+
+def summarize(records: list[Record], dataset: str, method: str, baseline: str, block_size: int,
+              loop_baseline: str | None = "loop-b1") -> Summary:
     rs = [r for r in records if r.method == method and (dataset == "all" or r.dataset == dataset)]
     base = {(r.dataset, r.prompt_id): r for r in records
             if r.method == baseline and (dataset == "all" or r.dataset == dataset)}
+    loop = {(r.dataset, r.prompt_id): r for r in records
+            if r.method == loop_baseline and (dataset == "all" or r.dataset == dataset)}
     steps = [s for r in rs for s in r.steps]
     lengths = [c for _, _, c in steps]
-    paired = [r for r in rs if (r.dataset, r.prompt_id) in base]
-    speedup = None
-    if paired:
-        m_tps = median([r.tokens_per_s for r in paired])
-        b_tps = median([base[r.dataset, r.prompt_id].tokens_per_s for r in paired])
-        speedup = m_tps / b_tps if m_tps and b_tps else None
+    speedup = _median_speedup(rs, base)
     ratios = paired_speedups(rs + list(base.values()), method, baseline)
+    stats = spec_stats(steps)
+    verified = 1 + stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else None
+    by_source: dict[str, int] = {}
+    for r in rs:
+        for s, c in (r.extra or {}).get("accepted_per_source", {}).items():
+            by_source[s] = by_source.get(s, 0) + c
+    share = {s: round(c / max(sum(by_source.values()), 1), 3) for s, c in sorted(by_source.items())}
     return Summary(dataset, method, len(rs), sum(r.num_output_tokens for r in rs), tau(steps),
                    histogram(lengths, block_size), per_position_acceptance(steps, block_size),
                    median([r.tokens_per_s for r in rs]), _ms(median([r.time_to_first_token for r in rs])),
-                   speedup, median(list(ratios.values())), max((r.peak_memory_mb for r in rs), default=None))
+                   speedup, median(list(ratios.values())), max((r.peak_memory_mb for r in rs), default=None),
+                   verified, share, _median_speedup(rs, loop) if method != baseline else None)
 
 
 def _ms(seconds):

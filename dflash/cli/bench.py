@@ -22,6 +22,9 @@ def add_bench(sub) -> None:
                    help="what-if: also DFlash at the largest block with the draft's lm_head over ids < K only")
     p.add_argument("--draft-threshold", type=float, nargs="*", default=[], metavar="P",
                    help="also DFlash at the largest block verifying only the proposals the draft gives probability >= P")
+    p.add_argument("--proposers", nargs="*", default=[], choices=["tree", "suffix", "hybrid"], metavar="KIND",
+                   help="also these proposers at the largest block: tree (the draft's top-k), suffix (n-gram "
+                   "matches of the text), hybrid (both in one tree); trees are sized by this machine's cost model")
     p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
@@ -48,6 +51,8 @@ def add_profile(sub) -> None:
     add_threads(p)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall time, or this process's CPU time (steadier on a busy machine; use with --threads 1)")
+    p.add_argument("--no-compare", action="store_true",
+                   help="leave out the other --kernels setting (by default both are profiled, side by side)")
     p.add_argument("--out", default="benchmarks/profile", help="folder for profile.json, profile.md, cost_curve.png")
     add_model_args(p)
     p.set_defaults(func=_run_profile)
