@@ -112,3 +112,23 @@ def test_proposers_by_name_and_their_errors():
         gen.dflash_generate(None, target, ids, 4, None, proposer="hybrid")
     with pytest.raises(ValueError, match="unknown proposer"):
         gen.dflash_generate(draft, target, ids, 4, None, proposer="beam")
+
+
+def test_a_draft_that_does_not_pay_is_skipped_and_probed():
+    """With a draft pass costing ten plain steps, an untrained draft stops being run (the
+    tree is the n-gram source's alone) but is probed now and then; output stays exact."""
+    model = tiny_target("llama")
+    target, draft = TargetModel(model), tiny_draft(model, block_size=8)
+    ids = torch.tensor([[2, 4, 6, 8]])
+    proposer = TreeProposer(DraftProposer(draft, target, SamplingParams(), draft.config.mask_token_id),
+                            verify_cost=lambda n: 1.0, draft_cost=10.0, probe_every=4)
+    drafted = []
+    real = proposer._draft_pays
+
+    def spy():
+        drafted.append(real())
+        return drafted[-1]
+    proposer._draft_pays = spy  # our own object's method: counting its answers, not changing them
+    out = gen.dflash_generate(draft, target, ids, 60, None, block_size=8, proposer=proposer)
+    assert torch.equal(out, hf_greedy(model, ids, 60))
+    assert not all(drafted) and sum(drafted) >= 2  # skipped, with a probe every fifth step

@@ -162,12 +162,15 @@ class TreeProposer(Proposer):
     """A token tree from the draft's top-k per position and/or n-gram matches of the text so far,
     cut each step to the node budget that maximises (1 + expected accepted) / step time, where
     the expected accepted tokens of a tree are the sum of its nodes' calibrated path scores.
-    `verify_cost(n)`: seconds of a verify pass over n tokens (a cost model); None: always
-    `max_nodes`. A budget of 0 makes the step a plain decoding step."""
+    `verify_cost(n)`: the time of a verify pass over n tokens (a cost model); None: always
+    `max_nodes`. A budget of 0 makes the step a plain decoding step. With a cost model the draft
+    pass itself is skipped while it does not pay for itself (its accepted tokens per pass,
+    exponentially forgotten, are worth less than the pass costs in plain steps), with a probe
+    pass every `probe_every` skipped steps to notice when it would again."""
 
     def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
                  max_nodes: int = 24, verify_cost: Callable[[int], float] | None = None, draft_cost: float = 0.0,
-                 global_index: GlobalSuffixIndex | None = None, branches: int = 4):
+                 global_index: GlobalSuffixIndex | None = None, branches: int = 4, probe_every: int = 8):
         if draft is None and not suffix and global_index is None:
             raise ValueError("a tree proposer needs a source: the draft, the suffix index or a global index")
         self.draft, self.use_suffix, self.global_index = draft, suffix, global_index
@@ -177,6 +180,10 @@ class TreeProposer(Proposer):
         self.calibration = Calibration()
         self.index: SuffixIndex | None = None
         self._last: tuple[TokenTree, dict[str, float]] | None = None
+        self.probe_every, self._skipped = probe_every, 0
+        self._draft_gain = 1.0  # accepted draft nodes per draft pass, forgotten at 0.9 per pass (prior 1)
+        self._drafted = False
+        self._context: torch.Tensor | None = None  # (1, C, kH) context handed over while the draft was skipped
 
     def start(self, prompt: Sequence[int]) -> None:
         self.index = SuffixIndex(prompt)
@@ -185,7 +192,11 @@ class TreeProposer(Proposer):
         depth = size - 1  # the tree's paths may commit at most `size` tokens
         weights = {s: self.calibration.weight(s) for s in ("draft", "suffix", "global")}
         builder = TreeBuilder()
-        if self.draft is not None:
+        self._drafted = self.draft is not None and self._draft_pays()
+        if ctx_hidden is not None and self._context is not None:  # the loop hands each context over once
+            ctx_hidden = torch.cat([self._context, ctx_hidden], dim=1)  # (1, C, kH)
+        self._context = None if self._drafted else ctx_hidden
+        if self._drafted:
             probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
             builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.ids)
         if self.use_suffix and self.index is not None:
@@ -196,6 +207,18 @@ class TreeProposer(Proposer):
         tree = builder.build(self._budget(builder.build(self.max_nodes, last.device)), last.device)
         self._last = (tree, weights)
         return tree
+
+    def _draft_pays(self) -> bool:
+        """Run the draft pass this step? Yes while its accepted tokens outweigh its cost in plain
+        steps (T_d < gain * T_t(1)), and once every `probe_every` skipped steps."""
+        if self.verify_cost is None or self.draft_cost <= self._draft_gain * self.verify_cost(1):
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        if self._skipped > self.probe_every:
+            self._skipped = 0
+            return True
+        return False
 
     def _budget(self, tree: TokenTree) -> int:
         """The number of best-first nodes n maximising (1 + their summed scores) / step time."""
@@ -211,6 +234,9 @@ class TreeProposer(Proposer):
         if self._last is not None and path is not None:
             tree, weights = self._last
             self.calibration.observe(tree, path, weights)
+            if self._drafted:
+                gained = sum("draft" in tree.sources[i] for i in path)
+                self._draft_gain = 0.9 * self._draft_gain + 0.1 * gained
         self._last = None
 
 
