@@ -24,6 +24,7 @@ from test_server_support import (  # noqa: F401  (offline_chat: test_chat import
 )
 
 from dflash.engine.loop import dflash_generate
+from dflash.text.pipeline import SpecSettings
 
 
 @pytest.fixture(scope="module")
@@ -328,12 +329,30 @@ def test_shutdown_past_the_grace_ends_requests_cleanly(slow_pipe):
 def test_draft_threshold_is_served_exactly(pipe):
     """--draft-threshold 1 verifies no proposal at all (plain decoding through the loop); the
     text still equals offline greedy. A threshold outside [0, 1] is refused at start."""
-    with LiveServer(pipe, model_name=MODEL, draft_threshold=1.0) as s:
+    with LiveServer(pipe, model_name=MODEL, spec=SpecSettings(draft_threshold=1.0)) as s:
         out = client(s.url).completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30,
                                                temperature=0)
         assert out.choices[0].text == offline_text(pipe, "the quick brown fox", 30)
         assert out.usage.spec_decode["num_draft_tokens"] == 0
     from dflash.serve.server import ServerOptions, build_server
 
-    with pytest.raises(ValueError, match="draft-threshold"):
-        build_server(pipe, ServerOptions(draft_threshold=1.5), start_worker=False)
+    with pytest.raises(ValueError, match="draft_threshold"):
+        build_server(pipe, ServerOptions(spec=SpecSettings(draft_threshold=1.5)), start_worker=False)
+
+
+def test_hybrid_proposer_is_served_exactly_and_reports_its_sources(pipe):
+    """The n-gram + draft tree, sharing earlier responses across requests: answers equal offline
+    greedy; usage and /metrics count the accepted tokens per source."""
+    spec = SpecSettings(proposer="hybrid", shared_suffix=True)
+    with LiveServer(pipe, model_name=MODEL, spec=spec) as s:
+        for _ in range(2):  # the second answer can copy the first from the shared index
+            out = client(s.url).completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=30,
+                                                   temperature=0)
+            assert out.choices[0].text == offline_text(pipe, "the quick brown fox", 30)
+        per_source = out.usage.spec_decode["num_accepted_tokens_per_source"]
+        assert set(per_source) <= {"draft", "suffix", "global"}
+        served = {labels[0][1]: v for (name, labels), v in metrics(s.url).items()
+                  if name == "dflash:spec_decode_num_accepted_tokens_per_source_total"}
+        assert served.keys() >= per_source.keys()
+        assert sum(per_source.values()) >= out.usage.spec_decode["num_accepted_tokens"]  # two sources can share one
+    assert pipe.spec == SpecSettings()  # the server ran on a copy of the pipeline

@@ -73,7 +73,7 @@ class LiveView:
 
 
 def chat_loop(pipe, settings: GenSettings, read: Callable[[str], str] = input, view=None, out: TextIO = sys.stdout,
-              system: str | None = None, block_size: int | None = None, draft_threshold: float = 0.0) -> list[dict]:
+              system: str | None = None) -> list[dict]:
     """Read user lines until /exit or EOF; answer each one. Returns the conversation."""
     view = view or PlainView(out)
     base = [{"role": "system", "content": system}] if system else []
@@ -104,7 +104,7 @@ def chat_loop(pipe, settings: GenSettings, read: Callable[[str], str] = input, v
             continue
         room = min(settings.max_tokens, context - ids.shape[1])
         answer = _answer(pipe, ids, GenSettings(room, settings.temperature, settings.top_p, settings.top_k,
-                                                settings.seed, settings.stop), view, block_size, draft_threshold)
+                                                settings.seed, settings.stop), view)
         messages.append({"role": "assistant", "content": answer})
     return messages
 
@@ -120,11 +120,10 @@ def _fit_context(pipe, messages: list[dict], base: list[dict], context: int):
         del messages[len(base):len(base) + 2]  # the oldest user turn and its answer
 
 
-def _answer(pipe, ids, settings: GenSettings, view, block_size, draft_threshold: float = 0.0) -> str:
+def _answer(pipe, ids, settings: GenSettings, view) -> str:
     parts: list[str] = []
     view.begin()
-    events = generate_text(pipe, ids, settings, pipe.stop_token_ids, block_size=block_size,
-                           draft_threshold=draft_threshold)
+    events = generate_text(pipe, ids, settings, pipe.stop_token_ids)
     done, last = None, None
     try:
         for ev in events:
@@ -145,9 +144,10 @@ def _answer(pipe, ids, settings: GenSettings, view, block_size, draft_threshold:
 
 
 def run_chat(args) -> int:
+    from dflash.cli.commands import spec_from_args
     from dflash.text.pipeline import Pipeline
 
-    pipe = Pipeline.load(args.target, args.draft)
+    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"), spec=spec_from_args(args))
     settings = GenSettings(args.max_new_tokens, args.temperature, args.top_p, 0, args.seed)
     view = None
     if not args.plain and sys.stdout.isatty():
@@ -156,6 +156,5 @@ def run_chat(args) -> int:
         view = LiveView(Console())
     note = "" if pipe.draft_trained else " (untrained random draft: expect tau ~1)"
     print(f"dflash chat{note}. {HELP}", file=sys.stderr)
-    chat_loop(pipe, settings, view=view, system=args.system, block_size=args.block_size,
-              draft_threshold=args.draft_threshold)
+    chat_loop(pipe, settings, view=view, system=args.system)
     return 0

@@ -20,6 +20,32 @@ SUBCOMMANDS = (
 def add_model_args(p) -> None:
     p.add_argument("--target", default=None, help="HF model folder (default: SmolLM2-135M-Instruct, converted once)")
     p.add_argument("--draft", default=None, help='draft checkpoint folder (default: the shipped one; "random" for an untrained draft)')
+    add_kernels(p)
+
+
+def add_kernels(p) -> None:
+    p.add_argument("--kernels", choices=("auto", "torch"), default="auto",
+                   help="auto: time the matrix-product kernels of the target's linears at load (cached per machine) "
+                        "and run the fastest; torch: the model's own modules (default: auto)")
+
+
+def add_spec_args(p) -> None:
+    """How the loop speculates: the flags of `text.pipeline.SpecSettings`."""
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
+    p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
+                   help="verify only the leading proposals the draft gives probability >= P (default 0: all)")
+    p.add_argument("--proposer", choices=("draft", "tree", "suffix", "hybrid"), default="draft",
+                   help="what each step verifies: the draft's chain, a tree over its top-k, n-gram matches of the "
+                        "text, or both in one tree (trees sized by this machine's cost model; default: draft)")
+    p.add_argument("--policy", choices=("fixed", "adaptive"), default="fixed",
+                   help="fixed: verify the whole block; adaptive: each step's verify length (plain steps "
+                        "included) chosen by this machine's cost model (default: fixed)")
+
+
+def spec_from_args(args):
+    from dflash.text.pipeline import SpecSettings
+
+    return SpecSettings(args.block_size, args.draft_threshold, args.proposer, args.policy)
 
 
 def add_threads(p) -> None:

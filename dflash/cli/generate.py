@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from dflash.cli.commands import add_model_args
+from dflash.cli.commands import add_model_args, add_spec_args, spec_from_args
 
 
 def add_generate(sub) -> None:
@@ -15,9 +15,7 @@ def add_generate(sub) -> None:
     p.add_argument("--messages", help="chat messages as a JSON list of {role, content}, or @FILE")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     add_model_args(p)
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
-    p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
-                   help="verify only the leading proposals the draft gives probability >= P (default 0: the whole block)")
+    add_spec_args(p)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -49,13 +47,14 @@ def _messages(args) -> list[dict]:
 def run_generate(args) -> int:
     import torch
 
-    from dflash.engine.loop import dflash_generate, stream_generate
+    from dflash.engine.loop import dflash_generate
     from dflash.engine.sampling import SamplingParams
     from dflash.engine.stats import SpecStats
     from dflash.text.detok import IncrementalDecoder
     from dflash.text.pipeline import Pipeline
 
-    pipe = Pipeline.load(args.target, args.draft, quiet=args.json)
+    pipe = Pipeline.load(args.target, args.draft, quiet=args.json, kernels=getattr(args, "kernels", "auto"),
+                         spec=spec_from_args(args))
     if args.raw:
         if not args.prompt:
             raise SystemExit("error: --raw needs a prompt")
@@ -67,12 +66,11 @@ def run_generate(args) -> int:
     decoder, stats, tokens, text = IncrementalDecoder(pipe.tokenizer), SpecStats(), [], []
     start = time.perf_counter()
     ttft = None
-    for step in stream_generate(pipe.draft, pipe.target, ids, args.max_new_tokens, pipe.stop_token_ids, params,
-                                args.block_size, None, gen, draft_threshold=args.draft_threshold):
+    for step in pipe.stream(ids, args.max_new_tokens, params, gen):
         if ttft is None:
             ttft = time.perf_counter() - start
         else:
-            stats.add(step.proposed, step.accepted, len(step.tokens))
+            stats.add(step.proposed, step.accepted, len(step.tokens), step.sources)
         tokens += step.tokens
         text.append(decoder.push(step.tokens))  # only the new text: no re-decoding of the whole output
         if not args.json:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 
-from dflash.cli.commands import add_model_args, add_threads, set_threads
+from dflash.cli.commands import add_model_args, add_spec_args, add_threads, set_threads, spec_from_args
 from dflash.serve.limits import PROMPT_CHARS_PER_TOKEN, Limits
 
 API_KEY_ENV = "DFLASH_API_KEY"
@@ -21,9 +22,7 @@ def add_serve(sub) -> None:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 (default 64)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit, prompt + completion")
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
-    p.add_argument("--draft-threshold", type=float, default=0.0,
-                   help="verify only the leading proposals the draft gives at least this probability (default 0: all)")
+    add_spec_args(p)
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30)")
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
@@ -52,8 +51,7 @@ def add_serve(sub) -> None:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--max-new-tokens", type=int, default=256)
-    c.add_argument("--block-size", type=int, default=None)
-    c.add_argument("--draft-threshold", type=float, default=0.0)
+    add_spec_args(c)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--plain", action="store_true", help="no live status line (the default when not a terminal)")
     add_threads(c)
@@ -78,13 +76,13 @@ def run_serve(args) -> int:
               f"(set --api-key or ${API_KEY_ENV})", file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     set_threads(args)
-    pipe = Pipeline.load(args.target, args.draft)
+    spec = dataclasses.replace(spec_from_args(args), shared_suffix=args.proposer in ("suffix", "hybrid"))
+    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"), spec=spec)
     name = args.model_name or default_name(args.target)
     limits = Limits(args.max_body_bytes, args.max_prompt_chars, args.max_tokens_default, args.max_tokens_limit,
                     args.request_timeout)
     options = ServerOptions(args.host, args.port, api_key, name, args.max_queue, args.max_model_len,
-                            args.block_size, args.draft_threshold, args.shutdown_grace, args.log_level, limits,
-                            tuple(args.allow_origin))
+                            None, args.shutdown_grace, args.log_level, limits, tuple(args.allow_origin))
     server = build_server(pipe, options)
     print(f"dflash: serving '{name}' on http://{args.host}:{args.port}/v1 "
           f"(draft: {pipe.draft_path or 'random, untrained'}; API key {'required' if api_key else 'off'})",

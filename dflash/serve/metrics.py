@@ -39,6 +39,10 @@ class Metrics:
                                         ["position"], registry=r)
         for k in range(num_positions):
             self.accepted_per_pos.labels(position=str(k))
+        self.accepted_per_source = Counter(p + "spec_decode_num_accepted_tokens_per_source",
+                                           "Draft tokens accepted, by the source that proposed them (draft, suffix, "
+                                           "global; a token two sources proposed counts for both)", ["source"],
+                                           registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.success = Counter(p + "request_success", "Finished requests, by finish reason", ["finished_reason"],
@@ -72,6 +76,8 @@ class Metrics:
         self.num_accepted_tokens.inc(s.num_accepted_tokens)
         for k, n in enumerate(s.num_accepted_tokens_per_pos):
             self.accepted_per_pos.labels(position=str(k)).inc(n)
+        for source, n in s.num_accepted_tokens_per_source.items():
+            self.accepted_per_source.labels(source=source).inc(n)
         self.prompt_tokens.inc(done.prompt_tokens)
         self.generation_tokens.inc(done.completion_tokens)
         self.success.labels(finished_reason=done.finish_reason).inc()

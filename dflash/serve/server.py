@@ -6,6 +6,7 @@ at most `--shutdown-grace` seconds, then they end with a clean error), then it e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from dflash.serve.limits import Limits
 from dflash.serve.metrics import Metrics
 from dflash.serve.state import ServerState
 from dflash.serve.worker import Worker
+from dflash.text.pipeline import SpecSettings
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,7 @@ class ServerOptions:
     model_name: str = "dflash"
     max_queue: int = 64  # requests waiting for the worker; beyond it: 503
     max_model_len: int | None = None  # context (prompt + completion); default: the target's
-    block_size: int | None = None  # default: the draft's
-    draft_threshold: float = 0.0  # verify only the leading proposals the draft gives at least this probability
+    spec: SpecSettings | None = None  # how the loop speculates (block, proposer, policy); None: the pipeline's
     shutdown_grace: float = 30.0
     log_level: str = "warning"
     limits: Limits = field(default_factory=Limits)
@@ -56,11 +57,10 @@ def build_server(pipe, options: ServerOptions, start_worker: bool = True) -> DFl
     if options.max_model_len is not None and options.max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {options.max_model_len}")
     max_len = min(options.max_model_len or pipe.target.info.max_positions, pipe.target.info.max_positions)
-    if not 0.0 <= options.draft_threshold <= 1.0:
-        raise ValueError(f"--draft-threshold must be a probability in [0, 1], got {options.draft_threshold}")
-    block = options.block_size or (pipe.draft.config.block_size if pipe.draft is not None else 1)
-    metrics = Metrics(num_positions=max(block - 1, 0))
-    worker = Worker(pipe, options.max_queue, metrics, options.block_size, draft_threshold=options.draft_threshold)
+    if options.spec is not None:  # a copy sharing the models: the caller's pipeline keeps its settings
+        pipe = dataclasses.replace(pipe, spec=options.spec)
+    metrics = Metrics(num_positions=max(pipe.block_size() - 1, 0))
+    worker = Worker(pipe, options.max_queue, metrics)
     api_key = options.api_key or None
     state = ServerState(pipe, worker, metrics, options.model_name, max_len, api_key, options.limits)
     policy = AccessPolicy.build(options.host, options.port, api_key, options.allow_origins)

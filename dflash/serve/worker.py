@@ -56,13 +56,10 @@ class Job:
 
 
 class Worker:
-    def __init__(self, pipe, max_queue: int = 64, metrics: Metrics | None = None, block_size: int | None = None,
-                 draft_threshold: float = 0.0):
+    def __init__(self, pipe, max_queue: int = 64, metrics: Metrics | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.pipe = pipe
-        self.block_size = block_size
-        self.draft_threshold = draft_threshold
         self.max_queue = max_queue
         self.metrics = metrics
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
@@ -152,8 +149,7 @@ class Worker:
             self._finish(job, Done("abort", int(job.input_ids.shape[1]), 0, SpecStats(), 0.0, 0.0), started)
             return
         try:
-            for event in generate_text(self.pipe, job.input_ids, job.settings, self._stop_ids,
-                                       lambda: job.cancelled, self.block_size, draft_threshold=self.draft_threshold):
+            for event in generate_text(self.pipe, job.input_ids, job.settings, self._stop_ids, lambda: job.cancelled):
                 if isinstance(event, Done):
                     self._finish(job, event, started)
                 else:

@@ -1,18 +1,57 @@
-"""Target + draft + tokenizer, loaded together: what the CLI, the benchmark and the server share."""
+"""Target + draft + tokenizer, loaded together, and how the loop speculates with them
+(`SpecSettings`): what the CLI, the chat, the benchmark and the server share. `Pipeline.stream`
+is the one place a text-level caller starts the speculative loop."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from dflash.engine.config import DFlashConfig
 from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.loop import Step, stream_generate
+from dflash.engine.policy import AdaptivePolicy
+from dflash.engine.proposers import PROPOSERS, build_proposer
+from dflash.engine.request import SamplingParams
+from dflash.engine.suffix import GlobalSuffixIndex
 from dflash.engine.target import TargetModel, check_compatible
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-instruct"
+POLICIES = ("fixed", "adaptive")
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """How the loop speculates. `proposer`: "draft" (the DFlash draft's chain), "tree" (a tree
+    over its top-k), "suffix" (n-gram matches of the text), "hybrid" (both in one tree); trees
+    are sized per step by this machine's cost model. `policy`: "fixed" verifies the whole block
+    (or the proposals the draft gives at least `draft_threshold`); "adaptive" chooses each
+    step's verify length, plain steps included, by the cost model. `shared_suffix`: also match
+    earlier responses of this pipeline (the server's; bounded in memory)."""
+    block_size: int | None = None  # None: the draft's
+    draft_threshold: float = 0.0
+    proposer: str = "draft"
+    policy: str = "fixed"
+    shared_suffix: bool = False
+
+    def __post_init__(self):
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or self.block_size < 1):
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if not isinstance(self.draft_threshold, (int, float)) or not 0.0 <= self.draft_threshold <= 1.0:
+            raise ValueError(f"draft_threshold must be a probability in [0, 1], got {self.draft_threshold!r}")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"unknown proposer {self.proposer!r}: use one of {', '.join(PROPOSERS)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown verify policy {self.policy!r}: use one of {', '.join(POLICIES)}")
+
+    @property
+    def needs_cost_model(self) -> bool:
+        return self.policy == "adaptive" or self.proposer != "draft"
 
 
 @dataclass
@@ -22,16 +61,66 @@ class Pipeline:
     tokenizer: object
     draft_trained: bool  # False: a random draft (tau ~1, a demonstration of the loop only)
     draft_path: str | None = None
+    spec: SpecSettings = field(default_factory=SpecSettings)
+    _cost_model: object = field(default=None, repr=False)
+    _shared: GlobalSuffixIndex | None = field(default=None, repr=False)
+
+    def block_size(self, spec: SpecSettings | None = None) -> int:
+        spec = spec or self.spec
+        return spec.block_size or (self.draft.config.block_size if self.draft is not None else 1)
+
+    def cost_model(self):
+        """This machine's cost model for this target and draft: measured once (a few seconds),
+        then read from the cache (engine/costmodel.py)."""
+        if self._cost_model is None:
+            from dflash.engine.costmodel import load_or_measure
+
+            self._cost_model = load_or_measure(self.target, self.draft)
+        return self._cost_model
+
+    def stream(self, input_ids: torch.Tensor, max_new_tokens: int, params: SamplingParams = SamplingParams(),
+               generator: torch.Generator | None = None, spec: SpecSettings | None = None,
+               stop_token_ids=None) -> Iterator[Step]:
+        """The speculative loop on this pipeline (engine.loop.stream_generate) with `spec`
+        (default: the pipeline's own settings), stopping at `stop_token_ids` (default: the
+        tokenizer's stop tokens)."""
+        spec = spec or self.spec
+        block = self.block_size(spec)
+        cost = self.cost_model() if spec.needs_cost_model and block > 1 else None
+        policy = AdaptivePolicy(cost, block) if spec.policy == "adaptive" and block > 1 else None
+        proposer = spec.proposer
+        if block > 1 and spec.proposer != "draft":
+            proposer = build_proposer(spec.proposer, self.draft, self.target, params,
+                                      self.draft.config.mask_token_id if self.draft is not None else None,
+                                      generator, cost_model=cost, block_size=block,
+                                      global_index=self.shared_index() if spec.shared_suffix else None)
+        stops = self.stop_token_ids if stop_token_ids is None else stop_token_ids
+        return stream_generate(self.draft, self.target, input_ids, max_new_tokens, stops, params,
+                               block, None, generator, draft_threshold=spec.draft_threshold, proposer=proposer,
+                               policy=policy, cost_model=cost)
+
+    def shared_index(self) -> GlobalSuffixIndex:
+        """Earlier responses of this pipeline, for the n-gram source (bounded in memory)."""
+        if self._shared is None:
+            self._shared = GlobalSuffixIndex()
+        return self._shared
+
+    def remember(self, response_ids: list[int]) -> None:
+        """Add a finished response to the shared index (when the settings use one)."""
+        if self.spec.shared_suffix and response_ids:
+            self.shared_index().add(response_ids)
 
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, random_draft_layers: int = 1,
-             seed: int = 0, quiet: bool = False) -> "Pipeline":
+             seed: int = 0, quiet: bool = False, kernels: str = "auto",
+             spec: SpecSettings | None = None) -> "Pipeline":
         """`target`: None for the default SmolLM2-135M-Instruct, or an HF folder. `draft`: a
-        checkpoint folder, None for the shipped draft of the default target, or "random"."""
+        checkpoint folder, None for the shipped draft of the default target, or "random".
+        `spec`: how the loop speculates (default `SpecSettings()`)."""
         from dflash.text.assets import load_target
 
         model, tokenizer = load_target(target)
-        tgt = TargetModel(model)
+        tgt = TargetModel(model, kernels=kernels)  # "auto": measured kernels (engine/kernels.py)
         if draft is None and target is None and (SHIPPED_DRAFT / "model.safetensors").exists():
             draft = str(SHIPPED_DRAFT)
         if draft is None or draft == "random":
@@ -41,10 +130,10 @@ class Pipeline:
             if not quiet:
                 print("note: no trained draft for this target, using an UNTRAINED random draft: "
                       "output is still exact, but expect tau ~1 and no speedup", file=sys.stderr)
-            return cls(tgt, DFlashDraftModel(cfg).eval(), tokenizer, False, None)
+            return cls(tgt, DFlashDraftModel(cfg).eval(), tokenizer, False, None, spec or SpecSettings())
         d = DFlashDraftModel.from_pretrained(draft)
         check_compatible(d.config, tgt)
-        return cls(tgt, d, tokenizer, True, str(draft))
+        return cls(tgt, d, tokenizer, True, str(draft), spec or SpecSettings())
 
     @property
     def stop_token_ids(self) -> list[int]:

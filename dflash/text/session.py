@@ -10,7 +10,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from dflash.engine.loop import stream_generate
 from dflash.engine.params import effective_temperature
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.stats import SpecStats
@@ -67,23 +66,23 @@ def make_generator(settings: GenSettings) -> torch.Generator | None:
 
 
 def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_token_ids,
-                  cancelled: Callable[[], bool] = lambda: False, block_size: int | None = None,
-                  draft_threshold: float = 0.0) -> Iterator[Delta | Done]:
-    """Run the speculative loop; yield a Delta per step and one Done at the end. `cancelled`
+                  cancelled: Callable[[], bool] = lambda: False) -> Iterator[Delta | Done]:
+    """Run the speculative loop (`pipe.stream`, with the pipeline's SpecSettings); yield a
+    Delta per step and one Done at the end. `cancelled`
     is checked between steps: when it turns true the generation ends with "abort". Past
     `settings.time_limit` seconds it ends with "length", as at max_tokens."""
     params = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
     decoder, stops, stats = IncrementalDecoder(pipe.tokenizer), StopMatcher(settings.stop), SpecStats()
     start = time.perf_counter()
-    ttft, n_tokens, finish = 0.0, 0, "length"
-    steps = stream_generate(pipe.draft, pipe.target, input_ids, settings.max_tokens, stop_token_ids, params,
-                            block_size, None, make_generator(settings), draft_threshold=draft_threshold)
+    ttft, tokens, finish = 0.0, [], "length"
+    steps = pipe.stream(input_ids, settings.max_tokens, params, make_generator(settings), stop_token_ids=stop_token_ids)
     try:
         for step in steps:
-            if n_tokens == 0:
+            if not tokens:
                 ttft = time.perf_counter() - start
-            n_tokens += len(step.tokens)
-            stats.add(step.proposed, step.accepted, len(step.tokens))
+            tokens += step.tokens
+            n_tokens = len(tokens)
+            stats.add(step.proposed, step.accepted, len(step.tokens), step.sources)
             text, hit = stops.feed(decoder.push(step.tokens))
             end = step.finish_reason or _out_of_time(settings, start)
             if end and not hit:  # the end: let out what was held back
@@ -99,7 +98,8 @@ def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_tok
                 break
     finally:
         steps.close()
-    yield Done(finish, int(input_ids.shape[1]), n_tokens, stats, ttft, time.perf_counter() - start)
+    pipe.remember(tokens)  # the n-gram source may match it in later requests (when settings share one)
+    yield Done(finish, int(input_ids.shape[1]), len(tokens), stats, ttft, time.perf_counter() - start)
 
 
 def _out_of_time(settings: GenSettings, start: float) -> str | None:
