@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from test_server import offline_chat
-from test_server_support import tiny_pipeline
+from server_support import offline_chat, tiny_pipeline
 
 from dflash.cli.chat import LiveView, chat_loop, status_line
 from dflash.cli.commands import build_parser

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from test_server_support import tiny_pipeline
+from server_support import tiny_pipeline
 
 from dflash.cli.commands import main
 from dflash.engine.loop import dflash_generate

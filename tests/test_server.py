@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_server_support import (  # noqa: F401  (offline_chat: test_chat imports it from here)
+from server_support import (
     MODEL,
     LiveServer,
     client,

@@ -9,7 +9,7 @@ import signal
 import httpx
 import openai
 import pytest
-from test_server_support import ServeProcess
+from server_support import ServeProcess
 
 
 @pytest.mark.slow

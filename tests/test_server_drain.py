@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_server_support import MODEL, ServeProcess, save_tiny_model
+from server_support import MODEL, ServeProcess, save_tiny_model
 
 CONTEXT = 1024
 MAX_TOKENS = 800  # a second or more of generation: the stream outlasts the probes below

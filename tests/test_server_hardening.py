@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 import torch
-from test_server_support import (
+from server_support import (
     MODEL,
     LiveServer,
     client,

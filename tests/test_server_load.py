@@ -8,7 +8,7 @@ import time
 
 import openai
 import pytest
-from test_server_support import MODEL, LiveServer, metrics, offline_chat, offline_text, tiny_pipeline
+from server_support import MODEL, LiveServer, metrics, offline_chat, offline_text, tiny_pipeline
 
 CLIENTS = 32
 TIME_LIMIT_S = 90

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from test_server_support import MODEL, ServeProcess, metrics, offline_answer, rss_bytes, save_tiny_model
+from server_support import MODEL, ServeProcess, metrics, offline_answer, rss_bytes, save_tiny_model
 
 from dflash.text.pipeline import Pipeline
 

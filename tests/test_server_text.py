@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from test_server_support import tiny_tokenizer
+from server_support import tiny_tokenizer
 
 from dflash.text.detok import IncrementalDecoder, StopMatcher, complete_text
 

@@ -11,10 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_draft, tiny_target
+from train_support import LAYERS, MASK, features, fit_cfg, make_seqs  # noqa: E402
+from train_support import grads as _grads
+from train_support import params as _params
 
 from dflash.engine.draft import DFlashDraftModel
 from dflash.engine.target import TargetModel
+from dflash.testing import tiny_draft, tiny_target
 from dflash.train.blocks import (
     IGNORE,
     anchor_bounds,
@@ -24,35 +27,9 @@ from dflash.train.blocks import (
     loss_weights,
     sample_anchors,
 )
-from dflash.train.config import FitConfig
 from dflash.train.data import DataError, Sequence, check_no_leaks
 from dflash.train.evaluate import block_scores
 from dflash.train.fit import Trainer
-
-LAYERS = [0, 2]
-MASK = 95
-
-
-def features(model, tokens):
-    with torch.no_grad():
-        out = model(input_ids=tokens[None, :-1], output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1] for i in LAYERS], -1)[0]  # (L-1, k*H)
-
-
-def make_seqs(model, n=6, length=40, prompt=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for i in range(n):
-        toks = torch.randint(0, 90, (length,), generator=g)
-        seqs.append(Sequence(f"s{i}", "test", toks, prompt, features(model, toks).half().numpy()))
-    return seqs
-
-
-def fit_cfg(**kw):
-    base = dict(block_size=8, gamma=4.0, anchors_per_seq=4, batch_size=2, lr=1e-3, max_steps=6, heldout_frac=0.0,
-                eval_tau_prompts=0, device="cpu", intermediate_size=64, warmup_frac=0.2)
-    return FitConfig(**{**base, **kw})
-
 
 # ---- mask, weights, anchors -------------------------------------------------------------
 
@@ -170,14 +147,6 @@ def test_no_evaluation_prompt_leaks_into_training():
 
 # ---- training state ------------------------------------------------------------------------
 
-def _params(draft):
-    return torch.cat([p.detach().flatten() for p in draft.parameters()])
-
-
-def _grads(draft):  # compare gradients: Adam's first step is sign-like and amplifies rounding
-    return torch.cat([p.grad.flatten() for p in draft.parameters()])
-
-
 def test_resume_gives_the_same_state(tmp_path):
     target = tiny_target("llama")
     seqs = make_seqs(target)
@@ -215,8 +184,8 @@ DDP_SCRIPT = textwrap.dedent('''
     import os, sys, torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[1])
     torch.set_num_threads(1)
-    from test_train import fit_cfg, make_seqs, LAYERS, MASK, _params, _grads
-    from conftest import tiny_target
+    from train_support import fit_cfg, make_seqs, LAYERS, MASK, params as _params, grads as _grads
+    from dflash.testing import tiny_target
     from dflash.train.fit import Trainer
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -478,8 +447,8 @@ KILL_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, sys.argv[1])
     torch.set_num_threads(1)
     from pathlib import Path
-    from test_train import fit_cfg, make_seqs, LAYERS, MASK
-    from conftest import tiny_target
+    from train_support import fit_cfg, make_seqs, LAYERS, MASK
+    from dflash.testing import tiny_target
     from dflash.train.fit import Trainer
     target = tiny_target("llama")
     t = Trainer(fit_cfg(max_steps=100), target, make_seqs(target), MASK, LAYERS)
