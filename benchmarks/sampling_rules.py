@@ -1,4 +1,4 @@
-"""Measure tau of the two lossless sampling rules side by side (DFLASH.md §2).
+"""Measure tau of the two lossless sampling rules side by side (docs/METHOD.md §2).
 
     .venv/bin/python benchmarks/sampling_rules.py [--limit 6] [--temperature 1.0] [--max-new-tokens 96]
 

@@ -1,4 +1,4 @@
-"""tau of the two lossless sampling rules with an oracle draft (DFLASH.md §2), on a tiny target.
+"""tau of the two lossless sampling rules with an oracle draft (docs/METHOD.md §2), on a tiny target.
 
     .venv/bin/python benchmarks/sampling_rules_oracle.py
 

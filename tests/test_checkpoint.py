@@ -34,7 +34,7 @@ def test_round_trip_identical_outputs(tmp_path, llama, llama_draft):
 
 
 def _reference_draft_forward(sd, cfg, ctx_hidden, noise, positions):
-    """An independent, plain-math reading of DFLASH.md §1 (explicit softmax), to check the
+    """An independent, plain-math reading of docs/METHOD.md §1 (explicit softmax), to check the
     model against the documented semantics rather than against itself."""
     nh, nkv, d, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
 

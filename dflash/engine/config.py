@@ -1,5 +1,5 @@
 """The draft's typed configuration, read and written at the boundary as a Qwen3 `config.json`
-plus the DFlash keys (DFLASH.md §4)."""
+plus the DFlash keys (docs/METHOD.md §4)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The DFlash draft: Qwen3-style decoder layers whose attention reads queries from the block
-and keys/values from [projected target context ; block], with no causal mask (DFLASH.md §1)."""
+and keys/values from [projected target context ; block], with no causal mask (docs/METHOD.md §1)."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ class DFlashDraftModel(nn.Module):
         self.eval()
         return dflash_generate(self, target, input_ids, max_new_tokens, stop_token_ids, temperature, **kwargs)
 
-    # ---- checkpoint format (DFLASH.md §4) ----------------------------------------------
+    # ---- checkpoint format (docs/METHOD.md §4) ----------------------------------------------
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """Write config.json + model.safetensors atomically (engine/io.py: a temp folder, then rename)."""
         state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}

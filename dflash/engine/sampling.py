@@ -1,4 +1,4 @@
-"""Sampling and lossless verification of a drafted block (DFLASH.md §2).
+"""Sampling and lossless verification of a drafted block (docs/METHOD.md §2).
 
 Words as in vLLM's rejection sampler: the draft's *accepted* tokens, the *recovered* token
 sampled where a draft token is rejected, and the *bonus* token sampled after a fully accepted

@@ -1,5 +1,5 @@
 """A draft vocabulary: the K most frequent token ids of a corpus. The draft's lm_head then
-scores only those rows, which cuts the draft step's largest cost (DFLASH.md §6); output stays
+scores only those rows, which cuts the draft step's largest cost (docs/METHOD.md §6); output stays
 exact because the target verifies every proposal."""
 
 from __future__ import annotations

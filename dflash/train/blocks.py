@@ -1,4 +1,4 @@
-"""Random anchors, the sparse block attention mask and the loss weights (DFLASH.md §3).
+"""Random anchors, the sparse block attention mask and the loss weights (docs/METHOD.md §3).
 
 A sequence of L tokens has context features for tokens 0..L-2 (the target consumed them).
 An anchor a (a response position) starts one block: tokens [t_a, mask x (B-1)] at positions

@@ -179,7 +179,7 @@ class Trainer:
                 "stats": dict(self.stats), "total_steps": self.total_steps}
 
     def save(self, out: Path, extra: dict | None = None) -> Path:
-        """Atomically write out/ckpt-{step}/ (draft/ in the DFLASH.md §4 format, trainer.pt,
+        """Atomically write out/ckpt-{step}/ (draft/ in the docs/METHOD.md §4 format, trainer.pt,
         train_config.json) and point out/latest at it. Rank 0 only."""
         out.mkdir(parents=True, exist_ok=True)
         name = f"ckpt-{self.step:07d}"

