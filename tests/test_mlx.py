@@ -1,40 +1,42 @@
-"""The MLX backend (dflash.backends.mlx.loop) against the PyTorch engine and mlx-lm itself.
+"""The MLX backend (dflash.backends.mlx) against the PyTorch engine and mlx-lm itself.
 
 Tiny random HF models (written with transformers, loaded through mlx-lm) keep this file
 fast: MLX is ~40x slower than torch on this CPU. Tolerances (fp32): draft block hidden
 states 1e-5 and logits 1e-4 against PyTorch; target hidden states 1e-4 against HF;
-the layer walk against mlx-lm's own forward 1e-5; greedy tokens exactly equal."""
+the layer walk against mlx-lm's own forward 1e-5; greedy tokens exactly equal, and the MLX
+loop's steps (proposed, accepted) equal the torch loop's. Sampled output: test_mlx_sampling.py."""
 
+import ast
 import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install -e '.[mlx]'; on Linux "
-                                            "it needs mlx[cpu], plain mlx fails to import)")
-pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install -e '.[mlx]')")
+if os.environ.get("CI", "").lower() not in ("true", "1"):  # CI installs .[mlx]: there a missing MLX fails
+    pytest.importorskip("mlx.core", reason="MLX is not installed (pip install -e '.[mlx]'; on Linux "
+                                           "it needs mlx[cpu], plain mlx fails to import)")
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install -e '.[mlx]')")
 
-import torch  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+import mlx.core as mx
+import torch
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from transformers import AutoModelForCausalLM
 
-from dflash.backends.mlx.loop import (  # noqa: E402
-    MLXTarget,
-    WindowKVCache,
-    _rope_overrides,
-    load,
-    load_draft,
-    stream_generate,
-    stream_tokens,
-)
-from dflash.engine.config import DFlashConfig  # noqa: E402
-from dflash.engine.draft import DFlashDraftModel  # noqa: E402
-from dflash.engine.errors import (
-    CheckpointError,  # noqa: E402
-    IncompatibleDraftError,  # noqa: E402
-)
-from dflash.engine.target import TargetModel  # noqa: E402
+from dflash.backends.mlx.api import _rope_overrides, load, load_draft, stream_generate
+from dflash.backends.mlx.loop import stream_tokens
+from dflash.backends.mlx.sampling import probabilities
+from dflash.backends.mlx.target import MLXTarget, WindowKVCache
+from dflash.engine import sampling as torch_sampling
+from dflash.engine.config import DFlashConfig
+from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.errors import CheckpointError, GenerationError, IncompatibleDraftError
+from dflash.engine.loop import stream_generate as torch_stream_generate
+from dflash.engine.request import SamplingParams
+from dflash.engine.target import TargetModel
 
 VOCAB, EOS = 320, 256
 PROMPT = "hello world, this is a tiny test of speculative decoding"
@@ -135,7 +137,7 @@ def test_layer_walk_equals_mlx_lm_forward(tiny, kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_target_hidden_states_match_hf(tiny, kind):
     path, model, tok, _ = tiny(kind)
-    hf = TargetModel(__import__("transformers").AutoModelForCausalLM.from_pretrained(path))
+    hf = TargetModel(AutoModelForCausalLM.from_pretrained(path))
     ids = tok.encode(PROMPT)
     layer_ids = [0, 2, 3]  # the last layer's entry in HF's hidden_states is after the final norm
     t_logits, t_hidden = hf.forward(torch.tensor([ids]), hf.new_cache(), layer_ids)
@@ -197,7 +199,7 @@ def test_rope_parameters_are_translated_for_mlx_lm():
 def test_draft_matches_pytorch(tiny, window):
     path, model, _, draft = tiny("llama")
     torch_draft = DFlashDraftModel.from_pretrained(path / "draft")
-    hf = TargetModel(__import__("transformers").AutoModelForCausalLM.from_pretrained(path))
+    hf = TargetModel(AutoModelForCausalLM.from_pretrained(path))
     target = MLXTarget(model)
     rng = np.random.default_rng(0)
     k_h = len(draft.target_layer_ids) * 64
@@ -244,7 +246,11 @@ def test_incompatible_draft_is_refused(tiny):
         next(stream_generate(model, other, tok, PROMPT))
 
 
-# ---- the loop: greedy output is the target's own ----------------------------------------
+# ---- the loop: greedy output is the target's own, and the torch loop's step for step -----
+
+def _tokens(steps):
+    return [t for s in steps for t in s.tokens]
+
 
 @pytest.mark.parametrize("kind", ["llama", "llama_sliding", "qwen3", "gemma3"])
 def test_greedy_equals_mlx_lm(tiny, kind):
@@ -252,46 +258,73 @@ def test_greedy_equals_mlx_lm(tiny, kind):
     ids = tok.encode(PROMPT)
     ref = _ref_greedy(model, ids, 24)
     for block_size in (1, 4, 7):
-        out = [t for step in stream_tokens(model, draft, ids, block_size, 24) for t in step[0]]
-        assert out == ref, f"block_size {block_size}"
+        assert _tokens(stream_tokens(model, draft, ids, max_tokens=24, block_size=block_size)) == ref, block_size
 
 
 def test_chunked_prefill_and_quantized_target(tiny):
     """A prompt prefilled in chunks (past the sliding window), and a 4-bit target (what MLX
-    users mostly run), still give the target's own greedy tokens."""
-    import mlx.nn as nn
+    users mostly run), still give the target's own greedy tokens; a draft vocabulary reads the
+    4-bit head's rows dequantized."""
+    from mlx import nn
 
     path, model, tok, draft = tiny("llama_sliding")
     ids = tok.encode(PROMPT)
     ref = _ref_greedy(model, ids, 12)
-    assert [t for s in stream_tokens(model, draft, ids, 4, 12, prefill_step_size=7) for t in s[0]] == ref
+    assert _tokens(stream_tokens(model, draft, ids, max_tokens=12, block_size=4, prefill_step_size=7)) == ref
     q_model, _ = load(path)
     nn.quantize(q_model, group_size=64, bits=4)
     q_ref = _ref_greedy(q_model, ids, 12)
-    assert [t for s in stream_tokens(q_model, draft, ids, 4, 12) for t in s[0]] == q_ref
+    assert _tokens(stream_tokens(q_model, draft, ids, max_tokens=12, block_size=4)) == q_ref
+    target, rows = MLXTarget(q_model), mx.array([3, 250, 7])
+    hidden = mx.random.normal((1, 2, 64), key=mx.random.key(0))  # (1, 2, H)
+    np.testing.assert_allclose(_np(target.logits(hidden, target.head_rows(rows))),
+                               _np(target.logits(hidden)[..., rows]), atol=1e-4)
+    vocab_draft = load_draft(path / "draft")
+    vocab_draft.config.draft_vocab = sorted(set(range(VOCAB)) - {q_ref[3]})
+    assert _tokens(stream_tokens(q_model, vocab_draft, ids, max_tokens=12, block_size=4)) == q_ref
 
 
-class OracleDraft:
-    """A draft that proposes the reference continuation, wrong at one block slot per step
-    (a different one each step), so the loop accepts 0..B-2 tokens and rolls back the rest.
-    It runs the real draft too, so the draft cache is exercised as usual."""
+class _Oracle:
+    """A trained-like draft: it runs the real draft (so the draft cache is exercised), then
+    returns hidden states whose logits propose the reference continuation, wrong at one block
+    slot per call (a different one each call), sure of every slot but each third position
+    (a low draft probability there, for the draft threshold). The same numbers (numpy) in
+    both frameworks, so the MLX and torch loops must take the same steps."""
 
-    def __init__(self, draft, target: MLXTarget, ref, n_prompt):
-        self.draft, self.ref, self.n_prompt, self.calls = draft, ref, n_prompt, 0
-        self.rows = target.model.lm_head.weight if hasattr(target.model, "lm_head") else \
-            target.inner.embed_tokens.weight  # (V, H): logits = h @ rows.T
+    def __init__(self, draft, rows: np.ndarray, ref, n_prompt):
+        self.draft, self.rows, self.ref, self.n_prompt, self.calls = draft, rows, ref, n_prompt, 0
 
     def __getattr__(self, name):
         return getattr(self.draft, name)
 
+    def _hidden(self, pos: int, size: int) -> np.ndarray:
+        """The block at positions pos.. -> (1, S, H)."""
+        self.calls += 1
+        want = [self.ref[min(pos + j - self.n_prompt, len(self.ref) - 1)] for j in range(size)]
+        want[self.calls % size] = (want[self.calls % size] + 1) % VOCAB
+        rows = self.rows[want] / np.linalg.norm(self.rows[want], axis=-1, keepdims=True)  # (S, H)
+        scale = np.where((pos + np.arange(size)) % 3 == 0, 1.0, 20.0)[:, None]  # (S, 1)
+        return (scale * rows)[None].astype(np.float32)
+
+
+class MLXOracle(_Oracle):
     def __call__(self, noise, ctx, cache):
         pos = cache.length + ctx.shape[1]  # the block's first position
         self.draft(noise, ctx, cache)
-        size, self.calls = noise.shape[1], self.calls + 1
-        want = [self.ref[min(pos + j - self.n_prompt, len(self.ref) - 1)] for j in range(size)]
-        want[self.calls % size] = (want[self.calls % size] + 1) % VOCAB
-        rows = self.rows[mx.array(want)]  # (S, H)
-        return 20 * rows[None] / mx.linalg.norm(rows, axis=-1, keepdims=True)
+        return mx.array(self._hidden(pos, noise.shape[1]))
+
+
+class TorchOracle(_Oracle):
+    def __call__(self, positions, **kw):
+        self.draft(positions, **kw)
+        size = kw["noise_embedding"].shape[1]
+        return torch.from_numpy(self._hidden(int(positions[0, -size]), size))
+
+
+def _head_rows(model) -> np.ndarray:
+    """(V, H) the output projection of an mlx-lm model: logits = h @ rows.T."""
+    head = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens
+    return _np(head.weight)
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama_sliding", "gemma3"])
@@ -299,14 +332,45 @@ def test_greedy_with_accepting_draft_equals_mlx_lm(tiny, kind):
     _, model, tok, draft = tiny(kind)
     ids = tok.encode(PROMPT)
     ref = _ref_greedy(model, ids, 30)
-    oracle = OracleDraft(draft, MLXTarget(model), ref, len(ids))
-    steps = list(stream_tokens(model, oracle, ids, 6, 30, draft_window=4 if kind == "llama" else None))
-    assert [t for s in steps for t in s[0]] == ref
-    accepted = [s[2] for s in steps[1:]]
-    assert set(accepted) >= {0, 1, 2, 3}, accepted  # partial acceptance, then rollback
+    oracle = MLXOracle(draft, _head_rows(model), ref, len(ids))
+    steps = list(stream_tokens(model, oracle, ids, max_tokens=30, block_size=6,
+                               draft_window=4 if kind == "llama" else None))
+    assert _tokens(steps) == ref
+    assert {s.accepted for s in steps[1:]} >= {0, 1, 2, 3}  # partial acceptance, then rollback
 
 
-def test_stream_generate_responses_and_stop(tiny):
+@pytest.mark.parametrize("case", ["plain", "draft-vocab", "threshold", "draft-vocab+threshold"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_steps_equal_the_torch_loop(tiny, kind, case):
+    """Same weights, same trained-like draft: the MLX loop commits the same tokens in the same
+    steps (proposed, accepted) as the torch loop, with a draft vocabulary (the reference's 4th
+    token left out, so the draft cannot propose it) and a draft threshold."""
+    path, model, tok, _ = tiny(kind)
+    ids = tok.encode(PROMPT)
+    ref = _ref_greedy(model, ids, 40)
+    vocab = sorted(set(range(VOCAB)) - {ref[3]}) if "vocab" in case else None
+    threshold = 0.5 if "threshold" in case else 0.0
+    mlx_draft, torch_draft = load_draft(path / "draft"), DFlashDraftModel.from_pretrained(path / "draft")
+    mlx_draft.config.draft_vocab = torch_draft.config.draft_vocab = vocab
+    rows = _head_rows(model)
+    mlx_steps = list(stream_tokens(model, MLXOracle(mlx_draft, rows, ref, len(ids)), ids, max_tokens=40,
+                                   block_size=6, draft_window=5, draft_threshold=threshold))
+    torch_steps = list(torch_stream_generate(TorchOracle(torch_draft, rows, ref, len(ids)),
+                                             TargetModel(AutoModelForCausalLM.from_pretrained(path)),
+                                             torch.tensor([ids]), 40, block_size=6, draft_window=5,
+                                             draft_threshold=threshold))
+    assert [tuple(s) for s in mlx_steps] == [(s.tokens, s.proposed, s.accepted, s.finish_reason)
+                                             for s in torch_steps]
+    assert _tokens(mlx_steps) == ref
+    proposed = [s.proposed for s in mlx_steps[1:]]
+    assert max(s.accepted for s in mlx_steps) >= (2 if threshold else 3)
+    if threshold:  # each third position is unsure: it and what follows it are not verified
+        assert max(proposed) <= 2 and 0 in proposed
+    if vocab:  # the left-out token is never proposed and accepted
+        assert all(ref[3] not in s.tokens[:s.accepted] for s in mlx_steps)
+
+
+def test_stream_generate_responses_stats_and_stop(tiny):
     _, model, tok, draft = tiny("llama")
     ids = tok.encode(PROMPT)
     ref = _ref_greedy(model, ids, 20)
@@ -326,27 +390,107 @@ def test_stream_generate_responses_and_stop(tiny):
     assert last.prompt_tokens == len(ids) and last.generation_tokens == len(tokens) and last.token == stop
     assert last.prompt_tps > 0 and last.generation_tps > 0 and last.peak_memory >= 0
     assert all(0 <= r.accepted <= r.proposed <= 3 for r in responses)
+    # the engine's stats fold: verify steps only (not the prefill token), tau = 1 + accepted / drafts
+    verify = responses[1:]
+    assert last.stats.num_drafts == len(verify) and last.stats.num_plain_steps == 0
+    assert last.stats.num_accepted_tokens == sum(r.accepted for r in verify)
+    assert last.mean_acceptance_length == 1 + sum(r.accepted for r in verify) / len(verify)
+    assert responses[1].stats.num_drafts == 1  # each response holds the fold so far, not a shared one
     full = list(stream_generate(model, draft, tok, ids, max_tokens=5))
     assert sum(len(r.tokens) for r in full) == 5 and full[-1].finish_reason in ("length", "stop")
     plain = list(stream_generate(model, None, tok, ids, max_tokens=5, stop_token_ids=()))  # no draft: block 1
     assert [t for r in plain for t in r.tokens] == ref[:5] and all(r.proposed == 0 for r in plain)
-    with pytest.raises(ValueError, match="context holds 256"):
-        next(stream_generate(model, draft, tok, [1] * 256))
-    with pytest.raises(ValueError, match="needs a draft"):
-        next(stream_generate(model, None, tok, ids, block_size=4))
+    assert plain[-1].stats.num_plain_steps == 4 and plain[-1].stats.num_drafts == 0
+    assert plain[-1].mean_acceptance_length == 1.0
 
 
-def test_sampling_is_seeded_and_near_greedy_at_tiny_temperature(tiny):
+def test_arguments_are_checked_by_the_shared_checks(tiny):
+    """The engine's check_request refuses for MLX what it refuses for torch, by the same words."""
+    _, model, tok, draft = tiny("llama")
+    ids = tok.encode(PROMPT)
+    for kwargs, match in [({"prompt": [1] * 256}, "context holds 256"), ({"block_size": 4, "draft": None}, "needs a draft"),
+                          ({"prompt": []}, "prompt is empty"), ({"prompt": [VOCAB]}, "outside the target vocabulary"),
+                          ({"max_tokens": -1}, "max_new_tokens"), ({"draft_threshold": 1.5}, "draft_threshold"),
+                          ({"block_size": 0}, "block_size")]:
+        args = {"prompt": ids, "draft": draft, **kwargs}
+        with pytest.raises(GenerationError, match=match):
+            next(stream_generate(model, args.pop("draft"), tok, args.pop("prompt"), **args))
+    for kwargs, match in [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                          ({"top_k": -2}, "top_k"), ({"rule": "greedy"}, "rule")]:
+        with pytest.raises(ValueError, match=match):
+            next(stream_generate(model, draft, tok, ids, **kwargs))
+
+
+# ---- sampling: the engine's definitions, the same numbers ---------------------------------
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8),
+                                    SamplingParams(1.0, top_p=0.6, top_k=9), SamplingParams(1.0, top_k=3),
+                                    SamplingParams(1e-5, top_k=3)],
+                         ids=["t1", "topk5", "topp", "topk+topp", "topk3-ties", "floor"])
+def test_probabilities_equal_the_torch_engine(params):
+    """Temperature, then top-k, then top-p, as torch, on rows with ties and huge scores."""
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((6, 40)) * 3).astype(np.float32)  # (R, V)
+    logits[:, 10:16] = logits[:, :1]  # ties with each row's first score
+    logits[0] = np.round(logits[0])  # many ties
+    logits[1] *= 1e4  # huge scores
+    logits[2, :5] = [9.0, 8.0, 8.0, 8.0, 7.0]  # the 2nd to 4th highest tie
+    want = torch_sampling.probabilities(torch.from_numpy(logits), params).numpy()
+    got = _np(probabilities(mx.array(logits), params))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    if params.top_k == 3 and params.temperature == 1.0:  # every token tied with the k-th score is kept
+        assert (got[2] > 0).sum() == 4
+
+
+def test_tiny_temperatures_are_greedy(tiny):
+    """Below the engine's floor (1e-5) a temperature is greedy, for both rules: no nan from
+    dividing by 1e-38 or a subnormal 5e-324."""
+    _, model, tok, draft = tiny("qwen3")
+    ids = tok.encode(PROMPT)
+    ref = _ref_greedy(model, ids, 12)
+    for temperature in (1e-38, 5e-324):
+        for rule in ("rejection", "match"):
+            params = SamplingParams(temperature, top_p=0.9, top_k=5, rule=rule)
+            assert params.greedy
+            assert _tokens(stream_tokens(model, draft, ids, max_tokens=12, params=params, block_size=4, seed=0)) == ref
+
+
+def test_sampling_is_seeded(tiny):
     _, model, tok, draft = tiny("qwen3")
     ids = tok.encode(PROMPT)
 
-    def run(temperature, seed):
-        mx.random.seed(seed)
-        return [t for s in stream_tokens(model, draft, ids, 4, 12, temperature) for t in s[0]]
+    def run(seed, rule="rejection", temperature=1.0):
+        params = SamplingParams(temperature, top_k=20, rule=rule)
+        return _tokens(stream_tokens(model, draft, ids, max_tokens=12, params=params, block_size=4, seed=seed))
 
-    assert run(1.0, 3) == run(1.0, 3)
-    assert all(0 <= t < VOCAB for t in run(1.0, 4))
-    assert run(1e-4, 0) == _ref_greedy(model, ids, 12)
+    assert run(3) == run(3) and run(3, "match") == run(3, "match")
+    assert run(3) != run(4)
+    assert all(0 <= t < VOCAB for t in run(4))
+    assert run(0, temperature=1e-4) == _ref_greedy(model, ids, 12)  # just above the floor: still near greedy
+
+
+def test_backend_imports_no_torch():
+    """No module of dflash/backends/mlx imports torch or transformers, nor does any dflash
+    module it imports (the engine's request, params, policy, stats, errors and config)."""
+    root = Path(__file__).resolve().parent.parent
+    todo, seen, outside = sorted((root / "dflash/backends/mlx").glob("*.py")), set(), set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                if name.startswith("dflash."):
+                    module = root / (name.replace(".", "/") + ".py")
+                    todo.append(module if module.exists() else module.with_suffix("") / "__init__.py")
+                else:
+                    outside.add(name.split(".")[0])
+    assert root / "dflash/engine/policy.py" in seen and root / "dflash/engine/stats.py" in seen
+    assert "mlx" in outside and not outside & {"torch", "transformers"}
 
 
 @pytest.fixture(scope="module")
@@ -368,10 +512,10 @@ def test_smollm2_greedy_equals_mlx_lm(smollm2, tmp_path):
     draft = load_draft(tmp_path / "draft")
     ids = tok.encode("The three primary colours are")  # short: MLX prefill is slow on this CPU
     ref = _ref_greedy(model, ids, 10)
-    oracle = OracleDraft(draft, MLXTarget(model), ref, len(ids))  # accepts some, rolls back the rest
-    steps = list(stream_tokens(model, oracle, ids, 4, 10))
-    assert [t for s in steps for t in s[0]] == ref
-    assert sum(s[2] for s in steps) > 0
+    oracle = MLXOracle(draft, _head_rows(model), ref, len(ids))  # accepts some, rolls back the rest
+    steps = list(stream_tokens(model, oracle, ids, max_tokens=10, block_size=4))
+    assert _tokens(steps) == ref
+    assert sum(s.accepted for s in steps) > 0
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The DFlash draft in MLX, reading the same checkpoint as the PyTorch one (DFLASH.md §1, §4):
+"""The DFlash draft in MLX, reading the same checkpoint as the PyTorch one (docs/METHOD.md §1, §4):
 queries from the block only, keys/values from [fc + hidden_norm projected context ; block],
 k_norm on all keys, RoPE at absolute positions, no causal mask, final norm."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 from mlx.utils import tree_flatten
 
 from dflash.engine.config import DFlashConfig
@@ -20,7 +20,7 @@ def _checkpoint_error(message: str) -> Exception:
 
 class DraftCache:
     """Per-layer K/V of the context the draft has seen, (B, KV, T, D) each; mirrors
-    dflash.cache.DraftCache: `trim` drops the block's K/V, then keeps at most
+    dflash.engine.cache.DraftCache: `trim` drops the block's K/V, then keeps at most
     `sliding_window` context positions (`offset` counts the ones dropped)."""
 
     def __init__(self, num_layers: int, sliding_window: int | None = None):
@@ -174,7 +174,7 @@ class MLXDraftModel(nn.Module):
 
 
 def load_draft(path: str | Path, sliding_window_size: int | None = None, dtype=None) -> MLXDraftModel:
-    """Read a DFlash checkpoint folder (config.json + model.safetensors, DFLASH.md §4).
+    """Read a DFlash checkpoint folder (config.json + model.safetensors, docs/METHOD.md §4).
     dtype: an mx dtype to cast the weights to (default: as stored)."""
     path = Path(path)
     if not path.is_dir():

@@ -1,151 +1,148 @@
-"""The MLX backend: DFlash speculative decoding on an mlx-lm target (docs/MLX.md).
+"""The speculative loop in MLX, the torch engine's loop (dflash/engine/loop.py) step for step:
+prefill, then a *proposer* drafts a block (`DraftProposer`, over the draft vocabulary if the
+draft has one), the *policy* cuts it (`engine.policy.ThresholdPolicy`: the draft threshold),
+the target verifies it with the lazy head (row 0 first) and a *verdict* (greedy, sample-and-
+match or rejection sampling), and both caches roll back to the committed tokens.
 
-    from dflash.model_mlx import load, load_draft, stream_generate
-    model, tokenizer = load("path/to/target")           # through mlx-lm
-    draft = load_draft("path/to/draft")                  # the DFLASH.md §4 checkpoint
-    for r in stream_generate(model, draft, tokenizer, "Hello", max_tokens=64):
-        print(r.text, end="")
-
-The loop is the PyTorch engine's (dflash/generate.py, DFLASH.md §2): greedy output equals
-the target's own greedy output token for token; with temperature > 0 the target samples
-its token at every block position and greedy proposals are accepted while they match it,
-which is exactly the target's sampling distribution."""
+Shared with the torch engine, not copied: the argument checks (`engine.request.check_request`
+on the target's `TargetInfo`), the sampling parameters and temperature floor (`SamplingParams`),
+the verify policies (`engine.policy`) and the statistics (`engine.stats.SpecStats`, folded by
+the caller). The sampling arithmetic is MLX (`sampling.py`)."""
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
-from dflash.backends.mlx.draft import DraftCache, MLXDraftModel, load_draft
-from dflash.backends.mlx.target import (
-    MLXTarget,
-    TargetCache,
-    UnsupportedTargetError,
-    WindowKVCache,
-    as_target,
+from dflash.backends.mlx.draft import MLXDraftModel
+from dflash.backends.mlx.sampling import (
+    Keys,
+    next_token,
+    probabilities,
+    sample,
+    verify_greedy,
+    verify_match,
+    verify_rejection,
 )
-from dflash.engine.errors import IncompatibleDraftError
-
-__all__ = ["load", "load_draft", "stream_generate", "generate", "DFlashResponse", "MLXDraftModel",
-           "MLXTarget", "DraftCache", "TargetCache", "WindowKVCache", "UnsupportedTargetError"]
-
-
-def _rope_overrides(config: dict) -> dict:
-    """transformers 5 writes RoPE settings only as `rope_parameters` (per layer type for
-    gemma3), which mlx-lm's llama and gemma3_text read as their defaults: translate them."""
-    rope = config.get("rope_parameters")
-    if not isinstance(rope, dict) or "rope_theta" in config:
-        return {}
-    full, local = rope.get("full_attention", rope), rope.get("sliding_attention")
-    out = {"rope_theta": full["rope_theta"]} if "rope_theta" in full else {}
-    if full.get("rope_type") not in (None, "default"):
-        out["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
-    if isinstance(local, dict) and "rope_theta" in local:
-        out["rope_local_base_freq"] = local["rope_theta"]
-    return out
+from dflash.backends.mlx.target import MLXTarget, TargetCache, as_target
+from dflash.engine.policy import ThresholdPolicy, VerifyPolicy
+from dflash.engine.request import SamplingParams, check_request
 
 
-def load(target_path, model_config: dict | None = None, **kwargs):
-    """(model, tokenizer) through `mlx_lm.load`; the model is mlx-lm's own (usable with
-    mlx-lm's generate too); stream_generate wraps it in an MLXTarget."""
-    from mlx_lm import load as mlx_load
-
-    path = Path(target_path)
-    overrides = {}
-    if (path / "config.json").is_file():
-        overrides = _rope_overrides(json.loads((path / "config.json").read_text()))
-    return mlx_load(str(target_path), model_config={**overrides, **(model_config or {})}, **kwargs)
+class Step(NamedTuple):
+    """What one loop step committed (the torch loop's `Step`, as a tuple)."""
+    tokens: list[int]  # the new tokens, in order (accepted proposals, then the target's own)
+    proposed: int  # proposals verified this step (0 for the prefill token and plain steps)
+    accepted: int  # of which accepted
+    finish_reason: str | None  # "stop", "length" or None while running
 
 
 @dataclass
-class DFlashResponse:
-    """One loop step: the prefill token first, then each verified block."""
-    text: str  # the next segment of decoded text (stop tokens are not decoded)
-    tokens: list[int]  # the new tokens of this step, in order
-    accepted: int  # draft proposals accepted this step
-    proposed: int  # draft proposals made this step (0 for the prefill token)
-    prompt_tokens: int
-    prompt_tps: float
-    generation_tokens: int  # generated so far
-    generation_tps: float
-    peak_memory: float  # GB
-    finish_reason: str | None = None  # "stop", "length" or None while running
-    token: int = field(default=-1)  # the last of `tokens` (mlx-lm's field name)
+class Proposal:
+    """One step's proposals: the tokens to verify, and what the verdict and the policy need."""
+    tokens: mx.array  # (K,) vocabulary ids
+    probs: mx.array | None = None  # (K, V) the proposer's q, for rejection sampling; None: deterministic
+    conf: mx.array | None = None  # (K,) the proposer's top probability at each slot, for the policy
 
-    def __post_init__(self):
-        if self.tokens:
-            self.token = self.tokens[-1]
+    def slice(self, start: int, stop: int | None) -> Proposal:
+        probs = None if self.probs is None else self.probs[start:stop]
+        conf = None if self.conf is None else self.conf[start:stop]
+        return Proposal(self.tokens[start:stop], probs, conf)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
 
 
-def _pick(logits: mx.array, temperature: float) -> mx.array:
-    """(..., V) -> (...) token ids: argmax, or a sample at the given temperature."""
-    if temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    return mx.random.categorical(logits.astype(mx.float32) * (1.0 / temperature), axis=-1)
+@dataclass
+class DraftHead:
+    """The head the draft proposes with: the target's whole output projection, or only the
+    rows of the draft vocabulary (`dflash_config.draft_vocab`)."""
+    ids: mx.array | None = None  # (Kv,) vocabulary ids of the rows, None = the full head
+    rows: mx.array | None = None  # (Kv, H)
+
+    @classmethod
+    def build(cls, draft: MLXDraftModel, target: MLXTarget) -> DraftHead:
+        if draft.config.draft_vocab is None:
+            return cls()
+        ids = mx.array(draft.config.draft_vocab, dtype=mx.int32)  # (Kv,)
+        return cls(ids, target.head_rows(ids))
+
+    def to_vocab(self, idx: mx.array) -> mx.array:
+        """Row indices (K,) -> vocabulary ids (K,)."""
+        return idx if self.ids is None else self.ids[idx]
+
+    def full_probs(self, q: mx.array, vocab_size: int) -> mx.array:
+        """q: (K, Kv) over the draft vocabulary -> (K, V) over the whole vocabulary."""
+        if self.ids is None:
+            return q
+        full = mx.zeros((q.shape[0], vocab_size), dtype=q.dtype)  # (K, V)
+        full[:, self.ids] = q
+        return full
 
 
-def _propose(draft: MLXDraftModel, target: MLXTarget, cache: DraftCache, ctx_hidden, last: int, pos: int,
-             size: int, mask_id: int) -> list[int]:
-    """One parallel draft pass over [last, mask x (size-1)] at positions pos..pos+size-1;
-    returns the size-1 greedy proposals and crops the block's K/V off the draft cache."""
-    block = mx.array([[last] + [mask_id] * (size - 1)])  # (1, S)
-    noise = target.embed(block)  # (1, S, H)
-    scale = draft.config.input_embedding_scale
-    if scale != 1.0:
-        noise = noise * scale
-    hidden = draft(noise, ctx_hidden, cache)  # (1, S, H)
-    proposals = mx.argmax(target.logits(hidden[:, 1:].astype(target.dtype)), axis=-1)  # (1, S-1)
-    mx.eval(proposals)
-    cache.crop_to(pos)  # keep the context, drop the block's K/V
-    return proposals[0].tolist()
+class DraftProposer:
+    """The DFlash draft as a proposer: one parallel pass over [last, mask x (size-1)] reading
+    the target's hidden states of the committed tokens it has not seen yet."""
+
+    def __init__(self, draft: MLXDraftModel, target: MLXTarget, params: SamplingParams, mask_id: int,
+                 keys: Keys, window: int | None = None):
+        self.draft, self.target, self.params, self.mask_id, self.keys = draft, target, params, mask_id, keys
+        self.layer_ids = draft.config.target_layer_ids  # the target layers whose outputs are the context
+        self.cache = draft.new_cache(window)
+        self.head = DraftHead.build(draft, target)
+
+    def propose(self, ctx_hidden: mx.array, last: int, pos: int, size: int, want_conf: bool = False) -> Proposal:
+        """ctx_hidden: (1, C, kH) the context not yet in the draft cache; last: the last
+        committed token, at position `pos`; -> size-1 proposals."""
+        block = mx.array([[last] + [self.mask_id] * (size - 1)])  # (1, S)
+        noise = self.target.embed(block, self.draft.config.input_embedding_scale)  # (1, S, H)
+        hidden = self.draft(noise, ctx_hidden, self.cache)  # (1, S, H)
+        logits = self.target.logits(hidden[0, 1:].astype(self.target.dtype), self.head.rows)  # (S-1, V or Kv)
+        if self.params.greedy or self.params.rule == "match":
+            idx = mx.argmax(logits, axis=-1)  # (S-1,)
+            conf = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1) if want_conf else None  # (S-1,)
+            proposal = Proposal(self.head.to_vocab(idx), None, conf)
+        else:
+            q = probabilities(logits, self.params)  # (S-1, V or Kv)
+            idx = sample(q, self.keys.next())  # (S-1,)
+            # the policy sees the draft's top probability at each slot, not the sample's own: a cut
+            # that depended on the sample would bias rejection sampling (tests/test_mlx_sampling.py)
+            conf = q.max(axis=-1)  # (S-1,)
+            proposal = Proposal(self.head.to_vocab(idx), self.head.full_probs(q, self.target.info.vocab_size), conf)
+        mx.eval(proposal.tokens)
+        self.cache.crop_to(pos)  # keep the context, drop the block's K/V
+        return proposal
 
 
-def _as_ids(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        return list(tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
-    if isinstance(prompt, mx.array):
-        return [int(t) for t in prompt.reshape(-1).tolist()]
-    return [int(t) for t in prompt]
+def _verdict(block: Proposal, logits: mx.array, params: SamplingParams, keys: Keys) -> tuple[int, int]:
+    """logits: (K+1, V) -> (number of accepted proposals, the target's token after them)."""
+    if params.greedy:
+        return verify_greedy(block.tokens, logits)
+    if block.probs is None:
+        return verify_match(block.tokens, probabilities(logits, params), keys)
+    return verify_rejection(block.tokens, block.probs, probabilities(logits, params), keys)
 
 
-def _check(draft, target: MLXTarget, ids, block_size, max_tokens, temperature):
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    if min(ids) < 0 or max(ids) >= target.vocab_size:
-        raise ValueError(f"the prompt holds ids outside the target vocabulary of {target.vocab_size}")
-    if len(ids) >= target.max_positions:
-        raise ValueError(f"the prompt has {len(ids)} tokens but the target's context holds {target.max_positions}")
-    if not isinstance(max_tokens, int) or max_tokens < 0:
-        raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if block_size is None:
-        block_size = draft.block_size if draft is not None else 1
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if block_size > 1:
-        if draft is None:
-            raise ValueError("block_size > 1 needs a draft model")
-        c, problems = draft.config, []
-        if c.hidden_size != target.hidden_size:
-            problems.append(f"draft hidden_size {c.hidden_size} != target {target.hidden_size}")
-        if c.vocab_size != target.vocab_size:
-            problems.append(f"draft vocab_size {c.vocab_size} != target vocabulary {target.vocab_size}")
-        if c.num_target_layers != target.num_layers or not all(0 <= i < target.num_layers for i in c.target_layer_ids):
-            problems.append(f"draft built for a {c.num_target_layers}-layer target (layers {c.target_layer_ids}), "
-                            f"this one has {target.num_layers}")
-        if not 0 <= c.mask_token_id < target.vocab_size:
-            problems.append(f"mask_token_id {c.mask_token_id} outside the target vocabulary of {target.vocab_size}")
-        if problems:
-
-            raise IncompatibleDraftError("draft does not fit this target: " + "; ".join(problems))
-    return block_size, min(max_tokens, target.max_positions - len(ids))
+def _verify(block: Proposal, target: MLXTarget, final: mx.array, params: SamplingParams,
+            keys: Keys) -> tuple[int, int]:
+    """final: (K+1, H) the target's last hidden states at [last, proposals]. The head runs on
+    row 0 first and on the other K rows only when proposal 1 is accepted (the torch loop's
+    lazy head): testing proposal 1, then the rest as a block of its own, is the same
+    sequential test, so the output stays exact."""
+    first = target.logits(final[:1])  # (1, V)
+    if block.size == 0:
+        return _verdict(block, first, params, keys)
+    # proposal 1 alone: row 0 twice, the second standing in for the bonus row that an
+    # accepted proposal 1 never uses (the rest's own verdict gives the next token)
+    n_first, tok = _verdict(block.slice(0, 1), mx.concatenate([first, first]), params, keys)
+    if n_first == 1:
+        n_rest, tok = _verdict(block.slice(1, None), target.logits(final[1:]), params, keys)  # rest: (K, V)
+        return 1 + n_rest, tok
+    return 0, tok
 
 
 def _prefill(target: MLXTarget, ids: list[int], cache: TargetCache, layer_ids, step: int):
@@ -160,86 +157,58 @@ def _prefill(target: MLXTarget, ids: list[int], cache: TargetCache, layer_ids, s
     return logits, (mx.concatenate(hidden, axis=1) if hidden else None)
 
 
-def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], block_size: int | None = None,
-                  max_tokens: int = 256, temperature: float = 0.0, stop_token_ids=(),
-                  draft_window: int | None = None, prefill_step_size: int = 2048,
-                  ) -> Iterator[tuple[list[int], int, int, str | None]]:
-    """The loop on token ids: yields (new tokens, proposed, accepted, finish_reason) per step.
-    The prompt is prefilled in chunks of prefill_step_size tokens, as mlx-lm does."""
-    target = as_target(model)
-    block_size, max_tokens = _check(draft, target, ids, block_size, max_tokens, temperature)
+def _cut_at_stop(new: list[int], stop: frozenset) -> tuple[list[int], str | None]:
+    """The new tokens up to and including the first stop token among them, and "stop" if any."""
+    for i, t in enumerate(new):
+        if t in stop:
+            return new[: i + 1], "stop"
+    return new, None
+
+
+def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], *, max_tokens: int = 256, stop_token_ids=(),
+                  params: SamplingParams | None = None, block_size: int | None = None,
+                  mask_token_id: int | None = None, seed: int | None = None, draft_window: int | None = None,
+                  draft_threshold: float = 0.0, prefill_step_size: int = 2048, proposer=None,
+                  policy: VerifyPolicy | None = None) -> Iterator[Step]:
+    """The loop on token ids: one Step per iteration, the prefill token first, then each
+    verified block. The prompt is prefilled in chunks of prefill_step_size tokens, as mlx-lm
+    does. `seed`: explicit mx.random keys (None: mx.random's global state). `draft_threshold`,
+    `proposer` and `policy` as in the torch loop. params: default greedy."""
+    target, params = as_target(model), params or SamplingParams()
+    checked = check_request(draft.config if draft is not None else None, target.info, ids, len(ids), max_tokens,
+                            block_size, mask_token_id, draft_threshold)
+    block_size, max_tokens = checked.block_size, checked.max_new_tokens
     if max_tokens == 0:
         return
-    stop = frozenset(int(t) for t in stop_token_ids)
-    layer_ids = draft.target_layer_ids if block_size > 1 else None
-    mask_id = draft.mask_token_id if block_size > 1 else 0
+    stop, keys = frozenset(int(t) for t in stop_token_ids), Keys(seed)
+    if proposer is None and block_size > 1:
+        proposer = DraftProposer(draft, target, params, checked.mask_id, keys, draft_window)
+    policy = policy or ThresholdPolicy(draft_threshold)
+    layer_ids = getattr(proposer, "layer_ids", None) if block_size > 1 else None
     cache = target.new_cache()
-    draft_cache = draft.new_cache(draft_window) if block_size > 1 else None
 
     logits, ctx_hidden = _prefill(target, ids, cache, layer_ids, prefill_step_size)  # (1, 1, V), (1, T, kH)
-    last = int(_pick(logits[0, -1], temperature).item())
+    last = next_token(logits[0, -1], params, keys)
     generated, pos = 1, len(ids)  # pos: position of `last`, not yet in the target cache
     finish = "stop" if last in stop else ("length" if generated >= max_tokens else None)
-    yield [last], 0, 0, finish
+    yield Step([last], 0, 0, finish)
 
+    empty = Proposal(mx.zeros((0,), dtype=mx.int32))
     while finish is None:
-        size = min(block_size, max_tokens - generated)  # the block can yield up to `size` tokens
-        proposals = _propose(draft, target, draft_cache, ctx_hidden, last, pos, size, mask_id) if size > 1 else []
-        logits, hidden = target(mx.array([[last] + proposals]), cache, layer_ids)  # (1, S, V), (1, S, kH)
-        picked = _pick(logits[0], temperature).tolist()  # (S,) the target's own token at each position
-        n = 0
-        while n < len(proposals) and proposals[n] == picked[n]:
-            n += 1
-        new = proposals[:n] + [picked[n]]
-        for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
-            if t in stop:
-                new, finish = new[: i + 1], "stop"
-                break
+        size, block = min(block_size, max_tokens - generated), empty  # the block yields up to `size` tokens
+        if size > 1 and policy.draft_now():
+            block = proposer.propose(ctx_hidden, last, pos, size, policy.needs_confidence)
+            block, ctx_hidden = block.slice(0, policy.verify_count(block.conf, block.size)), None
+        verify_ids = mx.concatenate([mx.array([last], dtype=mx.int32), block.tokens.astype(mx.int32)])[None]  # (1, 1+K)
+        final, hidden = target.forward_hidden(verify_ids, cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
+        n_accepted, last = _verify(block, target, final[0], params, keys)
+        new, finish = _cut_at_stop(block.tokens[:n_accepted].tolist() + [last], stop)
         cache.crop_to(pos + len(new))  # keep `last` and the accepted proposals
-        if hidden is not None:
-            ctx_hidden = hidden[:, : len(new)]  # (1, n, kH) the draft's next context
-        last, pos, generated = new[-1], pos + len(new), generated + len(new)
+        if hidden is not None:  # the next context: what the draft has not seen yet
+            seen = hidden[:, : len(new)]  # (1, n, kH)
+            ctx_hidden = seen if ctx_hidden is None else mx.concatenate([ctx_hidden, seen], axis=1)
+        policy.observe(block.size, n_accepted)
+        pos, generated = pos + len(new), generated + len(new)
         if finish is None and generated >= max_tokens:
             finish = "length"
-        yield new, size - 1, n, finish
-
-
-def stream_generate(model, draft: MLXDraftModel | None, tokenizer, prompt, block_size: int | None = None,
-                    max_tokens: int = 256, temperature: float = 0.0, draft_window: int | None = None,
-                    stop_token_ids=None, prefill_step_size: int = 2048) -> Iterator[DFlashResponse]:
-    """Speculative generation on an mlx-lm target. prompt: text or token ids. One
-    DFlashResponse per loop step. block_size 1 (or draft None) is plain target decoding.
-    draft_window: keep at most this many context positions in the draft's cache (default:
-    the draft's sliding_window_size). stop_token_ids: default the tokenizer's eos ids."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    ids = _as_ids(tokenizer, prompt)
-    stop = set(tokenizer.eos_token_ids) if stop_token_ids is None else set(stop_token_ids)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    tic = time.perf_counter()
-    prompt_tps, generated = 0.0, 0
-    for i, (new, proposed, accepted, finish) in enumerate(
-            stream_tokens(model, draft, ids, block_size, max_tokens, temperature, stop, draft_window,
-                          prefill_step_size)):
-        if i == 0:
-            prompt_tps = len(ids) / max(time.perf_counter() - tic, 1e-9)
-            tic = time.perf_counter()
-        generated += len(new)
-        for t in new:
-            if t not in stop:
-                detokenizer.add_token(t)
-        if finish is not None:
-            detokenizer.finalize()
-        yield DFlashResponse(
-            text=detokenizer.last_segment, tokens=new, accepted=accepted, proposed=proposed,
-            prompt_tokens=len(ids), prompt_tps=prompt_tps, generation_tokens=generated,
-            generation_tps=generated / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)
-
-
-def generate(model, draft, tokenizer, prompt, **kwargs) -> str:
-    """The whole text of stream_generate."""
-    return "".join(r.text for r in stream_generate(model, draft, tokenizer, prompt, **kwargs))
+        yield Step(new, block.size, n_accepted, finish)

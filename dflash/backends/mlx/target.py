@@ -3,13 +3,16 @@
 `MLXTarget` walks the mlx-lm model's own `embed_tokens`, `layers` and `norm` itself, calling
 each layer with its cache and the mask mlx-lm would build, and keeps the outputs of the
 chosen layers (layer i's output = HF `hidden_states[i + 1]`). Nothing in the mlx-lm model is
-patched or replaced. `TargetCache` rolls back exactly, sliding-window layers included."""
+patched or replaced. `TargetCache` rolls back exactly, sliding-window layers included. The
+target describes itself to the shared request checks as a `TargetInfo` (engine/request.py)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from dflash.engine.request import TargetInfo
 
 # model types whose inner model is exactly: h = embed(ids) * scale; h = layer(h, mask, cache)
 # for each layer (mask: causal, or causal + sliding window for sliding layers); norm(h)
@@ -111,12 +114,10 @@ class MLXTarget:
         self.model, self.model_type = model, model_type
         self.inner = model.model
         self.layers = self.inner.layers
-        self.num_layers = len(self.layers)
         emb = self.inner.embed_tokens
-        self.vocab_size = int(emb.weight.shape[0])
-        self.hidden_size = int(model.args.hidden_size)
+        hidden_size = int(model.args.hidden_size)
         # gemma scales the embedding by sqrt(H), rounded to bf16 as mlx-lm does
-        self.embed_scale = (float(mx.array(self.hidden_size ** 0.5, mx.bfloat16).astype(mx.float32).item())
+        self.embed_scale = (float(mx.array(hidden_size ** 0.5, mx.bfloat16).astype(mx.float32).item())
                             if model_type.startswith("gemma") else None)
         self.windows = []  # per layer: the sliding window, or None for full attention
         for c in make_prompt_cache(model):
@@ -127,7 +128,9 @@ class MLXTarget:
             else:
                 raise UnsupportedTargetError(f"unexpected mlx-lm cache {type(c).__name__} for {model_type}")
         self._dtype = emb(mx.array([[0]])).dtype
-        self.max_positions = int(getattr(model.args, "max_position_embeddings", None) or 1 << 30)
+        self.info = TargetInfo(num_layers=len(self.layers), hidden_size=hidden_size,
+                               vocab_size=int(emb.weight.shape[0]), model_type=model_type,
+                               max_positions=int(getattr(model.args, "max_position_embeddings", None) or 1 << 30))
 
     @property
     def dtype(self):
@@ -137,18 +140,37 @@ class MLXTarget:
     def new_cache(self) -> TargetCache:
         return TargetCache(self.windows)
 
-    def embed(self, ids: mx.array) -> mx.array:
+    def embed(self, ids: mx.array, scale: float = 1.0) -> mx.array:
         """Raw embedding rows (no model-specific scaling), as the draft's noise embedding."""
-        return self.inner.embed_tokens(ids)  # (B, T, H)
+        out = self.inner.embed_tokens(ids)  # (B, T, H)
+        return out * scale if scale != 1.0 else out
 
-    def logits(self, hidden: mx.array) -> mx.array:  # (B, T, H) -> (B, T, V)
-        if hasattr(self.model, "lm_head"):
-            return self.model.lm_head(hidden)
-        return self.inner.embed_tokens.as_linear(hidden)
+    @property
+    def _head(self):
+        """The output projection: the lm_head, or the tied embedding."""
+        return self.model.lm_head if hasattr(self.model, "lm_head") else self.inner.embed_tokens
 
-    def __call__(self, ids: mx.array, cache: TargetCache, layer_ids=None, last_only: bool = False):
-        """ids: (B, T) at positions cache.length... Returns logits (B, T or 1, V) and the
-        chosen layers' outputs concatenated (B, T, k*H), or None without layer_ids."""
+    def logits(self, hidden: mx.array, head_rows: mx.array | None = None) -> mx.array:
+        """hidden: (B, T, H) -> (B, T, V), or (B, T, K) over `head_rows` (K, H) of the head."""
+        if head_rows is not None:
+            return hidden @ head_rows.T
+        head = self._head
+        return head(hidden) if head is not self.inner.embed_tokens else head.as_linear(hidden)
+
+    def head_rows(self, ids: mx.array) -> mx.array:
+        """The output projection's rows of `ids` (K,) as a (K, H) matrix, dequantized."""
+        head = self._head
+        if "bias" in head:
+            raise ValueError("a draft vocabulary needs an lm_head without bias")
+        if "scales" not in head:  # full precision
+            return head.weight[ids]
+        biases = head.get("biases")
+        return mx.dequantize(head.weight[ids], head.scales[ids], None if biases is None else biases[ids],
+                             group_size=head.group_size, bits=head.bits, mode=getattr(head, "mode", "affine"))
+
+    def forward_hidden(self, ids: mx.array, cache: TargetCache, layer_ids=None):
+        """ids: (B, T) at positions cache.length... Returns the final (normed) hidden states
+        (B, T, H), ready for `logits`, and the chosen layers' outputs (B, T, k*H) or None."""
         h = self.inner.embed_tokens(ids)  # (B, T, H)
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, h.dtype)
@@ -162,9 +184,13 @@ class MLXTarget:
             if i in keep:
                 keep[i] = h
         out = self.inner.norm(h)  # (B, T, H)
-        if self.num_layers - 1 in keep:
-            keep[self.num_layers - 1] = out  # HF's last hidden_states entry is after the norm
-        hidden = mx.concatenate([keep[i] for i in layer_ids], axis=-1) if layer_ids else None
+        if len(self.layers) - 1 in keep:
+            keep[len(self.layers) - 1] = out  # HF's last hidden_states entry is after the norm
+        return out, (mx.concatenate([keep[i] for i in layer_ids], axis=-1) if layer_ids else None)
+
+    def __call__(self, ids: mx.array, cache: TargetCache, layer_ids=None, last_only: bool = False):
+        """As `forward_hidden`, with the logits (B, T or 1, V) instead of the final hidden states."""
+        out, hidden = self.forward_hidden(ids, cache, layer_ids)
         return self.logits(out[:, -1:] if last_only else out), hidden
 
 
