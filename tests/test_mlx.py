@@ -17,8 +17,8 @@ import pytest
 
 if os.environ.get("CI", "").lower() not in ("true", "1"):  # CI installs .[mlx]: there a missing MLX fails
     pytest.importorskip("mlx.core", reason="MLX is not installed (pip install -e '.[mlx]'; on Linux "
-                                           "it needs mlx[cpu], plain mlx fails to import)")
-    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install -e '.[mlx]')")
+                                           "it needs mlx[cpu], plain mlx fails to import)", exc_type=ImportError)
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install -e '.[mlx]')", exc_type=ImportError)
 
 import mlx.core as mx
 import torch

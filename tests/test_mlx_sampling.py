@@ -17,8 +17,8 @@ from scipy.stats import chisquare
 
 if os.environ.get("CI", "").lower() not in ("true", "1"):  # CI installs .[mlx]: there a missing MLX fails
     pytest.importorskip("mlx.core", reason="MLX is not installed (pip install -e '.[mlx]'; on Linux "
-                                           "it needs mlx[cpu], plain mlx fails to import)")
-    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install -e '.[mlx]')")
+                                           "it needs mlx[cpu], plain mlx fails to import)", exc_type=ImportError)
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install -e '.[mlx]')", exc_type=ImportError)
 
 from mlx_lm.utils import load_model
 
