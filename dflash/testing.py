@@ -130,3 +130,63 @@ def chi2_pvalue(counts, law) -> float:
     if exp[-1] == 0:  # nothing rare but cells the law excludes (callers assert those stay empty)
         obs, exp = obs[:-1], exp[:-1]
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def markov_target(vocab: int = 4, seed: int = 3, sharpness: float = 8.0):
+    """A tiny 2-layer Llama whose attention is switched off (every o_proj zero): each position
+    sees only its own token, so the target is a Markov chain over `vocab` tokens and a long
+    sampled generation can be checked transition by transition (`transition_pvalue`)."""
+    import torch
+
+    target = tiny_target("llama", seed=seed, vocab_size=vocab, num_hidden_layers=2, max_position_embeddings=8192)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+        target.lm_head.weight.mul_(sharpness)  # transition rows spread over a few tokens
+    return target
+
+
+def transition_table(target, params):
+    """(V, V) float64 numpy P[prev, next] of a `markov_target` under its own sampling; checks
+    that it is a Markov chain (the same row deep in a context)."""
+    import numpy as np
+    import torch
+
+    from dflash.engine.sampling import probabilities
+
+    v = target.config.vocab_size
+    with torch.no_grad():
+        single = target(torch.arange(v)[:, None]).logits[:, -1]  # (V, V) after one token
+        seq = torch.arange(2 * v) % v
+        later = target(seq[None]).logits[0]  # (2V, V) deep in a context
+    np.testing.assert_allclose(later.numpy(), single[seq].numpy(), atol=1e-5)
+    table = probabilities(single, params).double().numpy()
+    return table / table.sum(-1, keepdims=True)
+
+
+def transition_pvalue(tokens: list[int], table) -> float:
+    """Chi-square goodness of fit of the transition counts of `tokens` to the rows of `table`;
+    cells expected fewer than 5 times are pooled within their row; a transition the target never
+    samples fails outright."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    v = table.shape[0]
+    counts = np.zeros((v, v))
+    np.add.at(counts, (tokens[:-1], tokens[1:]), 1)
+    obs, exp, rows = [], [], 0
+    for prev in range(v):
+        n = counts[prev].sum()
+        if n == 0:
+            continue
+        want = table[prev] * n
+        assert counts[prev][want == 0].sum() == 0, f"a transition the target never samples, from {prev}"
+        common = want >= 5
+        cells = [(counts[prev][common], want[common])]
+        if (~common & (want > 0)).any():
+            cells.append(([counts[prev][~common].sum()], [want[~common].sum()]))
+        for o, e in cells:
+            obs.extend(o)
+            exp.extend(e)
+        rows += 1
+    return float(chisquare(obs, exp, ddof=rows - 1).pvalue)  # one constraint per row: its total

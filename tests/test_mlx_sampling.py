@@ -12,8 +12,6 @@ import os
 
 import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
 
 if os.environ.get("CI", "").lower() not in ("true", "1"):  # CI installs .[mlx]: there a missing MLX fails
     pytest.importorskip("mlx.core", reason="MLX is not installed (pip install -e '.[mlx]'; on Linux "
@@ -26,8 +24,7 @@ from dflash.backends.mlx.api import _rope_overrides, load_draft
 from dflash.backends.mlx.loop import stream_tokens
 from dflash.backends.mlx.target import MLXTarget
 from dflash.engine.request import SamplingParams
-from dflash.engine.sampling import probabilities
-from dflash.testing import tiny_draft, tiny_target
+from dflash.testing import markov_target, tiny_draft, transition_pvalue, transition_table
 
 V = 4
 PROMPT = [1, 3, 2]
@@ -37,48 +34,11 @@ PROMPT = [1, 3, 2]
 def markov(tmp_path_factory):
     """(torch target, MLX target, the folder with draft/): the same weights in both frameworks."""
     path = tmp_path_factory.mktemp("markov")
-    target = tiny_target("llama", seed=3, vocab_size=V, num_hidden_layers=2, max_position_embeddings=8192)
-    with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-        target.lm_head.weight.mul_(8.0)  # transition rows spread over 2-4 tokens
+    target = markov_target(V)
     target.save_pretrained(path)
     tiny_draft(target, seed=4, layers=1, block_size=4, mask_token_id=0).save_pretrained(path / "draft")
     model, _ = load_model(path, model_config=_rope_overrides(json.loads((path / "config.json").read_text())))
     return target, MLXTarget(model), path
-
-
-def transition_table(target, params: SamplingParams) -> np.ndarray:
-    """(V, V) P[prev, next] under the target's own sampling; checks that it is a Markov chain."""
-    with torch.no_grad():
-        single = target(torch.arange(V)[:, None]).logits[:, -1]  # (V, V) after one token
-        later = target(torch.tensor([[2, 0, 3, 1, 1, 0, 2, 3]])).logits[0]  # (8, V) deep in a context
-    np.testing.assert_allclose(later.numpy(), single[[2, 0, 3, 1, 1, 0, 2, 3]].numpy(), atol=1e-5)
-    table = probabilities(single, params).double().numpy()
-    return table / table.sum(-1, keepdims=True)  # rows summing to 1 in float64
-
-
-def chi2_pvalue(tokens: list[int], table: np.ndarray) -> float:
-    """Goodness of fit of the transition counts of `tokens` to the rows of `table`; cells
-    expected fewer than 5 times are pooled within their row."""
-    counts = np.zeros((V, V))
-    np.add.at(counts, (tokens[:-1], tokens[1:]), 1)
-    obs, exp, rows = [], [], 0
-    for prev in range(V):
-        n = counts[prev].sum()
-        if n == 0:
-            continue
-        want = table[prev] * n
-        assert counts[prev][want == 0].sum() == 0, f"a transition the target never samples, from {prev}"
-        common = want >= 5
-        cells = [(counts[prev][common], want[common])]
-        if (~common & (want > 0)).any():
-            cells.append(([counts[prev][~common].sum()], [want[~common].sum()]))
-        for o, e in cells:
-            obs.extend(o)
-            exp.extend(e)
-        rows += 1
-    return chisquare(obs, exp, ddof=rows - 1).pvalue  # one constraint per row: its total
 
 
 CASES = {  # (params, draft vocabulary, draft threshold)
@@ -115,8 +75,8 @@ def test_sampled_tokens_follow_the_target_distribution(markov, case):
         assert 0 in proposed and 3 in proposed
     if vocab:
         assert all(set(s.tokens[:s.accepted]) <= set(vocab) for s in steps)
-    p = chi2_pvalue(tokens, table)
+    p = transition_pvalue(tokens, table)
     print(f"{case}: chi-square p = {p:.3f} over {len(tokens) - 1} transitions; "
-          f"against a 25% shift p = {chi2_pvalue(tokens, shifted(table, 0.25)):.2g}")
+          f"against a 25% shift p = {transition_pvalue(tokens, shifted(table, 0.25)):.2g}")
     assert p > 1e-3
-    assert chi2_pvalue(tokens, shifted(table, 0.25)) < 1e-3
+    assert transition_pvalue(tokens, shifted(table, 0.25)) < 1e-3

@@ -91,3 +91,33 @@ def test_bad_sampling_arguments(llama, llama_draft):
                      ({"rule": "magic"}, "rule")]:
         with pytest.raises(ValueError, match=word):
             dflash_generate(llama_draft, llama, ids, 4, None, **kw)
+
+
+class SteepCost:
+    """A cost model where each verified token costs half a plain step: the adaptive policy
+    verifies only the proposals it expects to be accepted."""
+    def verify_ms(self, n):
+        return 10.0 + 5.0 * (n - 1)
+
+    def draft_ms(self, block):
+        return 0.0
+
+
+@pytest.mark.parametrize("policy", ["threshold", "adaptive"])
+def test_a_policy_cut_keeps_rejection_sampling_exact(policy):
+    """A long sampled generation on a Markov target (attention off): every transition is a draw
+    from a known row, so 3000 tokens test the cut at every block position. A cut on the sampled
+    token's own probability failed this at p ~ 1e-36; the cut on the draft's top probability holds."""
+    from dflash.engine.policy import AdaptivePolicy, ThresholdPolicy
+    from dflash.testing import markov_target, transition_pvalue, transition_table
+
+    target = markov_target(4)
+    draft = tiny_draft(target, seed=4, layers=1, block_size=4, mask_token_id=0)
+    params = SamplingParams(1.0, top_p=0.9, top_k=3, rule="rejection")
+    cut = ThresholdPolicy(0.6) if policy == "threshold" else AdaptivePolicy(SteepCost(), 4)
+    g = torch.Generator().manual_seed(0)
+    res = dflash_generate(draft, target, torch.tensor([[1, 3, 2]]), 3000, None, 1.0, block_size=4, top_p=0.9,
+                          top_k=3, generator=g, policy=cut, return_stats=True)
+    tokens = res.output_ids[0, 2:].tolist()  # from the prompt's last token on
+    assert res.stats.num_drafts > 0 and res.stats.num_draft_tokens < 3 * res.stats.num_drafts  # some were cut
+    assert transition_pvalue(tokens, transition_table(target, params)) > 1e-3

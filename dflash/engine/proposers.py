@@ -134,7 +134,9 @@ class DraftProposer(Proposer):
             return Proposal(self.head.to_vocab(idx), None, conf)
         q = probabilities(logits, self.params)  # (1, S-1, Kv)
         idx = sample(q, self.generator)  # (1, S-1)
-        conf = q.gather(-1, idx[..., None])[0, :, 0]  # (S-1,) the draft's probability of each sample
+        # what a policy may cut on: the draft's top probability per position, never the sampled
+        # token's (a cut that depends on the sample would bias the kept proposals away from q)
+        conf = q.amax(-1)[0]  # (S-1,)
         return Proposal(self.head.to_vocab(idx), self.head.full_probs(q, self.target.info.vocab_size), conf)
 
 
