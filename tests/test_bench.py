@@ -241,9 +241,10 @@ def test_proposer_methods_stay_exact_and_report_their_sources(pipe):
     flat = CostModel(ns=[1, 32], verify=[10.0, 10.0], contexts=[256], context_ns=[1], context_verify=[[10.0]],
                      rest_ns=[1], rest=[0.0])  # verifying is free here: every tree keeps its whole budget
     settings = Settings(block_sizes=(8,), prompt_lookup=0, loop_baseline=False, proposers=("tree", "suffix", "hybrid"),
-                        cost_source=lambda p: flat)
+                        cost_source=lambda p: flat, adaptive=True)
     methods = build_methods(settings)
-    assert [n for n, _ in methods] == [BASELINE, "dflash-b8", "dflash-tree-b8", "suffix-b8", "hybrid-b8"]
+    assert [n for n, _ in methods] == [BASELINE, "dflash-b8", "dflash-b8-adaptive", "dflash-tree-b8", "suffix-b8",
+                                       "hybrid-b8"]
     records = bench.run_bench(pipe, PROMPTS[:2], methods, 16, warmup=False)
     assert bench.check_equal(records) == []
     sums = {s.method: s for s in bench.summaries(records, bench.method_block_sizes(records))}  # one dataset

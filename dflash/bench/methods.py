@@ -17,6 +17,7 @@ import torch
 
 from dflash.bench.stats import Record
 from dflash.engine.loop import DraftHead, DraftProposer, stream_generate
+from dflash.engine.policy import AdaptivePolicy
 from dflash.engine.stats import SpecStats
 from dflash.engine.sampling import SamplingParams
 
@@ -36,6 +37,7 @@ class Settings:
     vocab_source: Callable | None = None  # (pipeline, K) -> ids; None: frequent_vocabulary
     draft_thresholds: tuple[float, ...] = ()  # also the largest block verifying only proposals with draft prob >= P
     proposers: tuple[str, ...] = ()  # also these proposers at the largest block: "tree", "suffix", "hybrid"
+    adaptive: bool = False  # also the draft's chain at the largest block with the adaptive verify policy
     cost_source: Callable | None = None  # pipeline -> its CostModel (sizes trees); None: measured and cached
     notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
 
@@ -106,7 +108,7 @@ def _rss() -> int:
 
 # ---- our loop ------------------------------------------------------------------------
 def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None, threshold: float = 0.0,
-                proposer_kind: str | None = None) -> Method:
+                proposer_kind: str | None = None, adaptive: bool = False) -> Method:
     """dflash's loop at `block_size` (1: plain target decoding through the same loop), with the
     draft's chain or another proposer (`proposer_kind`, sized by the machine's cost model)."""
     vocab: dict[int, list[int]] = {}  # the draft vocabulary per pipeline, built on first use
@@ -121,18 +123,20 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
                 vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
             proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
                                      head=DraftHead.of(vocab[id(pipe)], pipe.target))
-        cost = None
-        if proposer_kind is not None:
+        cost, policy = None, None
+        if proposer_kind is not None or adaptive:
             if id(pipe) not in costs:
                 costs[id(pipe)] = (settings.cost_source or _measured_costs)(pipe)
-            proposer, cost = proposer_kind, costs[id(pipe)]
+            cost = costs[id(pipe)]
+            proposer = proposer_kind or proposer
+            policy = AdaptivePolicy(cost, block_size) if adaptive else None
         tokens, steps, ttft, finish, stats = [], [], 0.0, "length", SpecStats()
         with PeakMemory() as mem:
             start = time.perf_counter()
             for i, step in enumerate(stream_generate(pipe.draft if block_size > 1 else None, pipe.target, input_ids,
                                                      max_new_tokens, pipe.stop_token_ids, params, block_size,
                                                      None, gen, draft_threshold=threshold, proposer=proposer,
-                                                     cost_model=cost)):
+                                                     policy=policy, cost_model=cost)):
                 if i == 0:
                     ttft = time.perf_counter() - start
                 else:
@@ -143,6 +147,7 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
             total = time.perf_counter() - start
         extra = {"accepted_per_source": stats.num_accepted_tokens_per_source} if stats.num_drafts else {}
         name = _loop_name(block_size) if proposer_kind is None else _proposer_name(proposer_kind, block_size)
+        name += "-adaptive" if adaptive else ""
         return Record(name, tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb, extra=extra)
 
     return run
@@ -237,6 +242,8 @@ def _loop_methods(settings: Settings):
     if top > 1:
         methods += [(f"{_loop_name(top)}-v{k}", loop_method(top, settings, k)) for k in settings.draft_vocabs]
         methods += [(f"{_loop_name(top)}-t{p:g}", loop_method(top, settings, threshold=p)) for p in settings.draft_thresholds]
+        if settings.adaptive:
+            methods.append((f"{_loop_name(top)}-adaptive", loop_method(top, settings, adaptive=True)))
         methods += [(_proposer_name(k, top), loop_method(top, settings, proposer_kind=k)) for k in settings.proposers]
     return methods
 

@@ -25,6 +25,8 @@ def add_bench(sub) -> None:
     p.add_argument("--proposers", nargs="*", default=[], choices=["tree", "suffix", "hybrid"], metavar="KIND",
                    help="also these proposers at the largest block: tree (the draft's top-k), suffix (n-gram "
                    "matches of the text), hybrid (both in one tree); trees are sized by this machine's cost model")
+    p.add_argument("--adaptive", action="store_true",
+                   help="also the draft's chain at the largest block with the adaptive verify policy (cost model)")
     p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, metavar="S",
