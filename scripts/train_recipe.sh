@@ -14,13 +14,15 @@ DATA=${DATA:-runs/data/smollm2-c}
 SHARDS=${SHARDS:-8}
 STEPS=${STEPS:-250}
 DISTILL=${DISTILL:-0.5}
+LR=${LR:-2e-4}
+WARMUP=${WARMUP:-0.1}
 THREADS=${THREADS:-1}
 PARALLEL=${PARALLEL:-1}
 START=${START:-dflash/drafts/smollm2-135m-instruct}
 $PY -m dflash.cli train data --out "$DATA" --num-prompts 9000 --first-shard 94 --max-shards $((94 + SHARDS)) \
     --responses data/smollm2-c --threads "$THREADS"
 COMMON="--data $DATA --data-shards $SHARDS --resume --init-from $START --num-layers 2 --loss-vocab draft
-    --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr 5e-4 --warmup-frac 0.04 --max-steps $STEPS
+    --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr "$LR" --warmup-frac "$WARMUP" --max-steps $STEPS
     --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 --threads $THREADS"
 fit() {  # $1 run name, $2 distill weight
     # shellcheck disable=SC2086
