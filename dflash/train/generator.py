@@ -20,7 +20,7 @@ class Generated:
     features: torch.Tensor  # (len(prompt)+len(response)-1, k*H) fp16: hidden of every token fed to the target
     finished: bool  # True when a stop token ended it
     label_ids: list[int] | None = None  # the target's token at each position, when it differs from the tokens
-    soft: "SoftLabels | None" = None  # the target's distribution over each response token
+    soft: SoftLabels | None = None  # the target's distribution over each response token
 
 
 @dataclass
@@ -32,7 +32,7 @@ class SoftLabels:
     rest: torch.Tensor  # (R,) fp16
 
     @classmethod
-    def from_logits(cls, logits: torch.Tensor, k: int) -> "SoftLabels":
+    def from_logits(cls, logits: torch.Tensor, k: int) -> SoftLabels:
         """logits (R, V) -> the top k of their softmax and the log of what is left."""
         lp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
         top, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)  # (R, k)
@@ -40,7 +40,7 @@ class SoftLabels:
         return cls(ids.int().cpu(), top.half().cpu(), rest.half().cpu())
 
     @classmethod
-    def cat(cls, parts: list["SoftLabels"]) -> "SoftLabels":
+    def cat(cls, parts: list[SoftLabels]) -> SoftLabels:
         return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("ids", "logprobs", "rest")))
 
     def __len__(self) -> int:
