@@ -6,7 +6,7 @@ from pathlib import Path
 
 from dflash.bench.stats import Summary
 
-COLUMNS = ("dataset", "method", "prompts", "tau", "tok/s", "speedup", "paired", "TTFT ms", "peak MB")
+COLUMNS = ("dataset", "method", "prompts", "tau", "tok/s", "speedup", "paired", "vs loop-b1", "TTFT ms", "peak MB")
 
 
 def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
@@ -16,6 +16,7 @@ def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
 def summary_row(s: Summary) -> list[str]:
     return [s.dataset, s.method, str(s.prompts), _fmt(s.tau), _fmt(s.tokens_per_s, ".1f"),
             _fmt(s.speedup, ".2f") + ("x" if s.speedup is not None else ""), _fmt(s.speedup_paired_median),
+            _fmt(s.speedup_vs_loop, ".2f") + ("x" if s.speedup_vs_loop is not None else ""),
             _fmt(s.ttft_ms, ".0f"), _fmt(s.peak_memory_mb, ".0f")]
 
 
@@ -135,7 +136,9 @@ STEP_PARTS = ("draft_forward", "draft_head", "verify_forward", "verify_head", "h
 
 def profile_markdown(result: dict) -> str:
     o = result["overhead"]
-    lines = [f"Machine: {result['machine']['threads']} torch threads, load average "
+    m = result["machine"]
+    cpu = f"{m['cpu']} ({m.get('cpus', '?')} cores), " if m.get("cpu") else ""
+    lines = [f"Machine: {cpu}{m['threads']} torch threads, load average "
              f"{_load(result['machine'])}; clock: {result.get('clock', 'wall')}; draft: {result['draft']}.", "",
              f"**Engine overhead** (random draft, tau {o['tokens_per_step']:.2f}): one block-{o['block_size']} step "
              f"{o['block_step_ms']:.1f} ms vs one plain decode step {o['plain_step_ms']:.1f} ms: "
@@ -167,7 +170,90 @@ def profile_markdown(result: dict) -> str:
                   "(what a draft vocabulary would cost), median ms:", "",
                   "| vocabulary | " + " | ".join(str(v) for v in h["vocab"]) + " |", "|---|" + "---|" * len(h["vocab"]),
                   "| ms | " + " | ".join(f"{m:.1f}" for m in h["ms"]) + " |"]
+    kernels = result.get("machine", {}).get("kernels")
+    if kernels:
+        lines += ["", kernel_markdown(kernels)]
+    if result.get("by_kernels"):
+        lines += ["", comparison_markdown(result["by_kernels"])]
     return "\n".join(lines) + "\n"
+
+
+def kernel_markdown(info: dict) -> str:
+    """The kernel table a TargetModel chose (`TargetModel.kernel_info()`): per weight shape
+    the kernel at each token-count bucket, the copies held and what they cost."""
+    if info.get("mode") != "auto":
+        return f"Kernels: {info.get('mode', '?')} (the model's own modules).\n"
+    shapes = info.get("shapes", [])
+    if not shapes:
+        return "Kernels: auto (no linear measured).\n"
+    buckets = shapes[0]["buckets"]
+    lines = [f"Kernels: auto, {info.get('measure_s', 0):.1f} s measuring at load"
+             f"{' (the rest from the cache)' if info.get('cached') else ''}; the adapter's copies cost "
+             f"{info.get('extra_mb', 0):.0f} MB.", "",
+             "| shape (out x in) | used as | weights | " + " | ".join(f"n={b}" for b in buckets) + " | copies | MB |",
+             "|---|---|---|" + "---|" * len(buckets) + "---|---|"]
+    for r in shapes:
+        cells = [r["kernels"][r["buckets"].index(b)] if b in r["buckets"] else "" for b in buckets]
+        lines.append(f"| {r['shape']} | {', '.join(r['roles'])} | {r['weights']} | " + " | ".join(cells)
+                     + f" | {', '.join(r['copies']) or '-'} | {r['extra_mb']:.1f} |")
+    lines += ["", "Measured microseconds per product (" + " / ".join(shapes[0]["times_us"]) + "):", "",
+              "| shape | " + " | ".join(f"n={b}" for b in buckets) + " |", "|---|" + "---|" * len(buckets)]
+    for r in shapes:
+        names = list(r["times_us"])
+        cells = []
+        for j, b in enumerate(buckets):
+            if b not in r["buckets"]:
+                cells.append("")
+                continue
+            k = r["buckets"].index(b)
+            us = [r["times_us"][n][k] for n in names]
+            cells.append(" / ".join("-" if t is None else f"{t:.0f}" for t in us))
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def comparison_markdown(by_kernels: dict) -> str:
+    """The figures each kernel setting changes, side by side: the overhead check, a decode
+    step's op split, the verify curve's ratio to n = 1, the break-even tau per block size."""
+    modes = list(by_kernels)
+    if not modes:
+        return ""
+    lines = ["| figure | " + " | ".join(f"kernels={m}" for m in modes) + " |", "|---|" + "---|" * len(modes)]
+
+    def row(name, fn):
+        lines.append(f"| {name} | " + " | ".join(fn(by_kernels[m]) for m in modes) + " |")
+
+    row("plain decode step (loop, ms)", lambda r: f"{r['overhead']['plain_step_ms']:.1f}")
+    row(f"block-{by_kernels[modes[0]]['overhead']['block_size']} step, random draft (ms)",
+        lambda r: f"{r['overhead']['block_step_ms']:.1f}")
+    row("step ratio (block / plain)", lambda r: f"{r['overhead']['ratio']:.2f}x")
+    row("decode step, profiled: matmul / attention / other ms",
+        lambda r: " / ".join(f"{r['decode_ops']['groups_ms'][g]:.1f}" for g in ("matmul", "attention", "other")))
+    row("decode step: ops per step", lambda r: f"{r['decode_ops']['ops_per_step']:.0f}")
+    row("adapter's extra weight copies (MB)", lambda r: f"{r['kernels'].get('extra_mb', 0):.0f}")
+    from dflash.engine.costmodel import CostModel
+
+    models = {m: CostModel.from_dict(r["cost_model"]["model"]) for m, r in by_kernels.items()}
+    for n in (1, 2, 4, 8, 16, 32):
+        lines.append(f"| T_t({n}): verify {n} tokens, ms (cost model) | "
+                     + " | ".join(f"{models[m].verify_ms(n):.1f}" for m in modes) + " |")
+    cm = by_kernels[modes[0]]["cost_model"]
+    for b in cm["blocks"]:
+        lines.append(f"| T_d({b}): draft step, block {b}, ms | " + " | ".join(f"{models[m].draft_ms(b):.1f}" for m in modes)
+                     + " |")
+    for j, b in enumerate(cm["blocks"]):
+        row(f"verify {b} tokens / 1 token (cost model)", lambda r, j=j: f"{r['cost_model']['verify_ratio'][j]:.2f}x")
+    for j, b in enumerate(cm["blocks"]):
+        row(f"break-even tau, block {b}", lambda r, j=j: f"{r['cost_model']['break_even_tau'][j]:.2f}")
+    out = ["Kernel settings side by side (the same model, machine and run):", "", *lines, ""]
+    for m in modes:
+        ops = by_kernels[m]["decode_ops"]
+        out += [f"Decode step ops with kernels={m} (context {ops['context']}; {ops['step_ms']:.1f} ms a step outside "
+                f"the profiler, {ops['profiled_ms']:.1f} ms of op self time inside it), ms per step:", "",
+                "| op | ms | calls |", "|---|---|---|"]
+        out += [f"| {o['op']} | {o['ms']:.2f} | {o['calls']:.0f} |" for o in ops["ops"]]
+        out.append("")
+    return "\n".join(out)
 
 
 def _as_step(o: dict, which: str) -> dict:

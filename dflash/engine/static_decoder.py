@@ -83,11 +83,12 @@ class KVBuffer:
 
 @torch.inference_mode()
 def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key_valid: torch.Tensor | None,
-            layer_ids: list[int] | None, tree_mask: torch.Tensor | None = None):
+            layer_ids: list[int] | None, tree_mask: torch.Tensor | None = None, linears=None):
     """ids, positions: (B, T) at buffer slots kv.length.. ; key_valid: (B, kv.length+T) bool,
     False at padding (None: no padding); tree_mask: (T, T) bool, the new tokens each new token
-    sees (a token tree's; None: causal). Returns the final normed hidden states (B, T, H) and
-    the chosen layers' outputs (B, T, k*H) or None. Advances kv.length by T."""
+    sees (a token tree's; None: causal); linears: the adapter's projections in its own weight
+    layout (`kernels.DecoderLinears`; None: the model's own modules). Returns the final normed
+    hidden states (B, T, H) and the chosen layers' outputs (B, T, k*H) or None. Advances kv.length by T."""
     base = model.model
     b, t = ids.shape
     if kv.length + t > kv.max_len:
@@ -98,9 +99,13 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     mask = _mask(t, kv.length, key_valid, ids.device, tree_mask)  # (B, 1, T, S) or (T, S) or None
     layer_ids = layer_ids or []
     feats = []
+    projs = linears.for_tokens(b * t) if linears is not None else None  # the kernels of this token count
     for i, layer in enumerate(base.layers):
-        x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, mask, kv, i)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        p = projs[i] if projs is not None else None
+        h = layer.input_layernorm(x) if p is None else p.norm1(x)
+        x = x + _attention(layer.self_attn, h, cos, sin, mask, kv, i, p)
+        h = layer.post_attention_layernorm(x) if p is None else p.norm2(x)
+        x = x + (layer.mlp(h) if p is None else p.mlp(h))
         if i in layer_ids:
             feats.append(x)
     kv.length += t
@@ -131,19 +136,20 @@ def _mask(t: int, past: int, key_valid, device, tree=None):
     return mask
 
 
-def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int):
+def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int, proj=None):
     b, t, _ = h.shape
     shape = (b, t, -1, attn.head_dim)
-    q = attn.q_proj(h).view(shape).transpose(1, 2)  # (B, NH, T, D)
-    k = attn.k_proj(h).view(shape).transpose(1, 2)  # (B, KV, T, D)
-    v = attn.v_proj(h).view(shape).transpose(1, 2)  # (B, KV, T, D)
+    q_proj, k_proj, v_proj, o_proj = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) if proj is None else proj[:4]
+    q = q_proj(h).view(shape).transpose(1, 2)  # (B, NH, T, D)
+    k = k_proj(h).view(shape).transpose(1, 2)  # (B, KV, T, D)
+    v = v_proj(h).view(shape).transpose(1, 2)  # (B, KV, T, D)
     if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before the rotation
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     keys, values = kv.write(layer, k, v)  # (B, KV, S, D)
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
                                        enable_gqa=q.shape[1] != keys.shape[1])  # (B, NH, T, D)
-    return attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))  # (B, T, H)
+    return o_proj(o.transpose(1, 2).reshape(b, t, -1))  # (B, T, H)
 
 
 def _rotate_half(x):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.engine import kernels as kernel_choice
 from dflash.engine import static_decoder
 from dflash.engine.cache import StaticTargetCache, TargetCache
 from dflash.engine.config import DFlashConfig
@@ -18,9 +20,18 @@ class TargetModel:
     """Wraps an HF `*ForCausalLM`: embedding and lm_head for the draft, and forward passes
     that return logits plus the chosen layers' hidden states, on a cache that rolls back."""
 
-    def __init__(self, model: nn.Module, static: bool | None = None):
+    def __init__(self, model: nn.Module, static: bool | None = None, kernels: str = "auto",
+                 time_fn: kernel_choice.TimeFn | None = None):
         """`static`: run Llama-family targets through `static_decoder` on a preallocated KV
-        buffer (same numbers, less per-step work); None = whenever the model supports it."""
+        buffer (same numbers, less per-step work); None = whenever the model supports it.
+        `kernels`: "auto" times the matrix-product candidates of every linear shape and of the
+        lm_head at load (on CPU; cached per machine, so once) and runs the fastest from the
+        adapter's own weight layout (engine/kernels.py; the model is not changed; its weights
+        are copied where a kernel wants another layout, so weights changed afterwards are seen
+        by a new TargetModel only); "torch" runs the model's own modules, HF's numbers exactly.
+        `time_fn`: the kernel timer (tests pass fake timings; nothing is cached then)."""
+        if kernels not in kernel_choice.MODES:
+            raise ValueError(f"kernels must be one of {kernel_choice.MODES}, got {kernels!r}")
         if isinstance(model, TargetModel):
             raise TypeError("already a TargetModel")
         self.model = model.eval()
@@ -45,6 +56,46 @@ class TargetModel:
             max_positions=getattr(tc, "max_position_embeddings", None) or 1 << 30,
             model_type=getattr(tc, "model_type", "?"),
         )
+        self._build_kernels(kernels, time_fn)
+
+    def _build_kernels(self, kernels: str, time_fn) -> None:
+        """The adapter's weight layout: the decoder's projections (static decoder only) and the
+        lm_head, each with its measured kernel per token-count bucket. On other devices than
+        the CPU, "auto" is "torch" (their BLAS has no such small-M pitfall to measure)."""
+        self.kernels = kernels if self.device.type == "cpu" else "torch"
+        self.kernel_table: kernel_choice.KernelTable | None = None
+        self.linears: kernel_choice.DecoderLinears | None = None  # static_decoder.forward(..., linears=)
+        self._head: kernel_choice.Linear | None = None
+        self._rows: dict[int, tuple] = {}  # id(head_rows tensor) -> (weakref to it, its Linear)
+        if self.kernels != "auto":
+            return
+        # a second TargetModel of the same model (as_target wraps a bare HF model on every call)
+        # reuses the layout built for it, unless a weight changed in place since
+        key = (self.static, torch.get_num_threads(), _weight_versions(self.model))
+        built = _LAYOUTS.get(self.model) if time_fn is None else None
+        if built is not None and built[0] == key:
+            self.kernel_table, self.linears, self._head = built[1]
+            return
+        self.kernel_table = kernel_choice.KernelTable(time_fn)
+        if self.static and kernel_choice.supports_mlp(self.model):
+            self.linears = kernel_choice.DecoderLinears(self.model, self.kernel_table)
+        if isinstance(self.head, nn.Linear):
+            self._head = self.kernel_table.linear(self.head.weight, self.head.bias, kernel_choice.HEAD_BUCKETS,
+                                                  role="lm_head", max_copies=kernel_choice.HEAD_MAX_COPIES)
+        if time_fn is None:
+            _LAYOUTS[self.model] = (key, (self.kernel_table, self.linears, self._head))
+
+    def kernel_info(self) -> dict:
+        """The kernel table for reports: mode, and per weight shape its roles, the kernel per
+        bucket, the measured times, and the MB the adapter's copies cost."""
+        if self.kernel_table is None:
+            return {"mode": self.kernels}
+        counts = dict(self.linears.counts) if self.linears is not None else {}
+        for lin in [self._head] + [lin for ref, lin in self._rows.values() if ref() is not None]:
+            if lin is not None:
+                name = f"{lin.weight.shape[0]}x{lin.weight.shape[1]}"
+                counts[name] = counts.get(name, 0) + 1
+        return self.kernel_table.to_dict(self.embed_weight.element_size(), counts)
 
     @property
     def device(self):
@@ -61,16 +112,30 @@ class TargetModel:
 
     def logits(self, hidden: torch.Tensor, head_rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: (B, T, H) -> (B, T, V), or (B, T, K) over `head_rows` (K, H) of the lm_head."""
-        logits = self.head(hidden) if head_rows is None else F.linear(hidden, head_rows)
+        if head_rows is None:
+            logits = self.head(hidden) if self._head is None else self._head(hidden)
+        else:
+            entry = self._rows.get(id(head_rows))
+            lin = entry[1] if entry is not None and entry[0]() is head_rows else None
+            logits = F.linear(hidden, head_rows) if lin is None else lin(hidden)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The lm_head rows of `ids` (K,) as one contiguous (K, H) matrix."""
+        """The lm_head rows of `ids` (K,) as one (K, H) matrix; with kernels="auto", in the
+        layout its measured kernel wants (`logits(hidden, rows)` then runs that kernel)."""
         if getattr(self.head, "bias", None) is not None:
             raise ValueError("a draft vocabulary needs an lm_head without bias")
-        return self.head.weight.index_select(0, ids.to(self.head.weight.device)).contiguous()
+        rows = self.head.weight.index_select(0, ids.to(self.head.weight.device)).contiguous()
+        if self.kernel_table is None:
+            return rows
+        lin = self.kernel_table.linear(rows, None, kernel_choice.HEAD_BUCKETS, role="draft lm_head",
+                                       max_copies=kernel_choice.HEAD_MAX_COPIES)
+        rows = lin.weight  # the copy itself when its kernel needs no other layout
+        self._rows = {k: v for k, v in self._rows.items() if v[0]() is not None}
+        self._rows[id(rows)] = (weakref.ref(rows), lin)
+        return rows
 
     def new_cache(self) -> TargetCache | StaticTargetCache:
         return StaticTargetCache(self.model) if self.static else TargetCache(self.model.config)
@@ -86,7 +151,7 @@ class TargetModel:
             if ids.shape[0] != 1:
                 raise ValueError("the static target cache holds one sequence")
             cache.kv.reserve(start + ids.shape[1])
-            return static_decoder.forward(self.model, ids, positions, cache.kv, None, layer_ids)
+            return static_decoder.forward(self.model, ids, positions, cache.kv, None, layer_ids, linears=self.linears)
         out = self.decoder(input_ids=ids, position_ids=positions, use_cache=True,
                            output_hidden_states=bool(layer_ids), **{self._cache_arg: cache.hf})
         hidden = None
@@ -100,6 +165,23 @@ class TargetModel:
         """As `forward_hidden`, with the logits (B, T or logits_to_keep, V) of the last rows."""
         final, hidden = self.forward_hidden(ids, cache, layer_ids)
         return self.logits(final[:, -logits_to_keep:]), hidden
+
+
+# model -> (key, its layout): weakly keyed, and the layout holds the model's tensors but not the
+# model, so a model that is dropped takes its layout with it
+_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _weight_versions(model: nn.Module) -> int:
+    """Changes when any parameter is modified in place (torch counts every in-place write), or
+    replaced; an inference-mode tensor has no counter, its storage stands in for it."""
+    out = []
+    for p in model.parameters():
+        try:
+            out.append((p.data_ptr(), p._version))
+        except RuntimeError:
+            out.append((p.data_ptr(), -1))
+    return hash(tuple(out))
 
 
 def as_target(target) -> TargetModel:

@@ -60,11 +60,11 @@ class AssetError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Root of dflash's cache: ``$DFLASH_CACHE`` if set, else ``~/.cache/dflash``."""
-    env = os.environ.get("DFLASH_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "dflash"
+    """Root of dflash's cache: ``$DFLASH_CACHE`` if set, else ``~/.cache/dflash`` (the engine's
+    one helper, which also keeps the measured kernels and costs there)."""
+    from dflash.engine.machine import cache_dir as engine_cache_dir
+
+    return engine_cache_dir()
 
 
 def _package_dir(module: str) -> Path | None:

@@ -1,0 +1,236 @@
+"""Kernel choice by measurement (engine/kernels.py): the selector with fake timings, the
+layout's memory rule, the cache, and greedy output on both settings equal to HF generate's."""
+
+import pytest
+import torch
+from dflash.testing import tiny_draft, tiny_target
+
+from dflash.engine import kernels as K
+from dflash.engine import machine
+from dflash.engine.loop import dflash_generate
+from dflash.engine.target import TargetModel
+
+B = K.BUCKETS
+
+
+def fake(table):
+    """A timer that answers from table[impl] (a per-bucket list, or one number for all)."""
+    calls = []
+
+    def time_fn(fn, x, *, impl, shape, n):
+        calls.append((impl, shape, n))
+        v = table[impl]
+        return v[B.index(n)] if isinstance(v, list) else v
+
+    time_fn.calls = calls
+    return time_fn
+
+
+def test_choose_picks_what_the_timer_says_is_fastest_per_bucket():
+    times = {"linear": [9.0] * 7, "wx": [8.0] * 7, "transposed": [1.0, 5, 5, 5, 5, 5, 5],
+             "onednn": [5.0, 1, 1, 1, 1, 1, 1]}
+    c = K.choose(times, B, max_copies=2)
+    assert c.impls == {1: "transposed", **{b: "onednn" for b in B[1:]}}
+    assert c.copies == ["onednn", "transposed"]  # no single copying layout is within 5% everywhere
+    capped = K.choose(times, B)  # by default one copy at most: the one that is fastest overall
+    assert capped.copies == ["onednn"] and capped.impls == {b: "onednn" for b in B}
+
+
+def test_one_layout_that_serves_every_bucket_avoids_the_second_copy():
+    # transposed is best at n=1 by 2%, onednn best elsewhere: onednn alone serves within 5%
+    times = {"linear": [9.0] * 7, "wx": [9.0] * 7, "transposed": [0.98, 5, 5, 5, 5, 5, 5], "onednn": [1.0] * 7}
+    c = K.choose(times, B)
+    assert c.copies == ["onednn"] and set(c.impls.values()) == {"onednn"}
+    assert c.extra_mb() == 0.0 and K.ShapeChoice((10, 10), B, c.impls).extra_mb() == pytest.approx(400 / 2**20)
+
+
+def test_no_copy_when_the_models_own_weight_is_within_tolerance():
+    times = {"linear": [1.04] * 7, "wx": [2.0] * 7, "transposed": [1.0] * 7, "onednn": [None] * 7}
+    c = K.choose(times, B)
+    assert c.copies == [] and set(c.impls.values()) == {"linear"}
+    times["linear"] = [1.2] * 7  # now the copy pays
+    assert K.choose(times, B).copies == ["transposed"]
+
+
+def test_choose_with_a_free_layout_that_wins_some_buckets():
+    times = {"linear": [1.0, 3, 3, 3, 3, 3, 3], "wx": [3.0, 3, 3, 3, 3, 3, 1], "transposed": [3.0, 1, 1, 1, 1, 1, 3],
+             "onednn": [2.0] * 7}
+    c = K.choose(times, B)
+    assert c.impls == {1: "linear", 2: "transposed", 4: "transposed", 8: "transposed", 16: "transposed",
+                       32: "transposed", 128: "wx"} and c.copies == ["transposed"]
+
+
+def test_measure_times_every_available_candidate_at_every_bucket_interleaved():
+    w = torch.randn(24, 16)
+    t = fake({"linear": 1.0, "wx": 1.0, "transposed": 1.0, "onednn": 1.0})
+    times = K.measure(w, None, B, t, reps=2)
+    timed = {impl for impl, _, _ in t.calls}
+    assert {"linear", "wx", "transposed"} <= timed
+    assert len(t.calls) == 2 * len(B) * len(timed)
+    assert t.calls[0][2] == t.calls[1][2] == 1  # one round runs all candidates at a bucket together
+    assert all(v == [1.0] * len(B) for k, v in times.items() if k in timed)
+
+
+def test_every_candidate_computes_the_same_product():
+    w, b = torch.randn(40, 24), torch.randn(40)
+    for n in (1, 3, 16):
+        x = torch.randn(1, n, 24)
+        ref = torch.nn.functional.linear(x, w, b)
+        for name, impl in K.IMPLS.items():
+            if impl.available(w):
+                assert torch.allclose(impl.build(w, b)(x), ref, atol=1e-5), (name, n)
+
+
+def test_linear_holds_only_the_copies_it_uses_and_dispatches_by_rows():
+    w = torch.randn(32, 16)
+    c = K.ShapeChoice((32, 16), B, {b: ("linear" if b == 1 else "transposed") for b in B})
+    lin = K.Linear(w, None, c)
+    assert lin.names[0] == "linear" and lin.names[1:] == ("transposed",) * 6
+    assert lin.extra_bytes == w.numel() * 4 and lin.weight is w
+    x = torch.randn(1, 3, 16)
+    assert lin.fn(3) is lin.fns[B.index(4)] and torch.allclose(lin(x), x @ w.T, atol=1e-6)
+    only = K.Linear(w, None, K.ShapeChoice((32, 16), B, {b: "transposed" for b in B}))
+    assert only.weight is not w and only.weight.stride() == (1, 32) and torch.equal(only.weight, w)
+
+
+def test_target_adapter_uses_the_fake_timers_choice_and_leaves_the_model_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    model = tiny_target("llama")
+    before = {k: (v.data_ptr(), v.stride()) for k, v in model.state_dict().items()}
+    t = TargetModel(model, time_fn=fake({"linear": 5.0, "wx": 9.0, "transposed": 1.0, "onednn": 9.0}))
+    info = t.kernel_info()
+    assert info["mode"] == "auto" and all(r["kernels"] == ["transposed"] * len(r["buckets"]) for r in info["shapes"])
+    assert {r["shape"] for r in info["shapes"]} == {"64x64", "32x64", "128x64", "64x128", "96x64"}
+    q = next(r for r in info["shapes"] if r["shape"] == "64x64")
+    assert q["roles"] == ["q_proj", "o_proj"] and q["weights"] == 8
+    assert q["extra_mb"] == pytest.approx(8 * 64 * 64 * 4 / 2**20, abs=0.05)
+    assert {k: (v.data_ptr(), v.stride()) for k, v in model.state_dict().items()} == before
+    assert not list(tmp_path.iterdir())  # fake timings are never cached
+    assert TargetModel(model, kernels="torch").kernel_info() == {"mode": "torch"}
+    with pytest.raises(ValueError):
+        TargetModel(model, kernels="fast")
+
+
+def test_the_choice_is_cached_per_machine_so_a_second_start_measures_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    w = torch.randn(48, 16)
+    first = K.KernelTable()
+    c1 = first.choice(w)
+    assert first.measure_s > 0 and not first.cached
+    assert list((tmp_path / "kernels").glob("*.json"))
+    second = K.KernelTable()
+    second.time_fn = None  # would fail if called
+    assert second.choice(w) == c1 and second.cached == ["48x16"] and second.measure_s == 0
+    key = K.cache_key(w.shape, w.dtype, B, 3)
+    assert machine.read_cached("kernels", {**key, "threads": key["threads"] + 1}) is None  # another thread count
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_greedy_equals_hf_generate_on_both_settings(family, kernels, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    model = tiny_target(family)
+    draft = tiny_draft(model, block_size=8)
+    target = TargetModel(model, kernels=kernels)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 96, (1, 6 + seed))
+        ref = model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones_like(ids))
+        for block in (1, 4, 8):
+            assert torch.equal(dflash_generate(draft, target, ids, 30, None, 0.0, block_size=block), ref), (seed, block)
+
+
+def test_forced_copying_kernels_keep_greedy_output_exact(tmp_path, monkeypatch):
+    """Every bucket on a copying layout (the numbers differ from F.linear's in the last bits)."""
+    for impl in ("transposed", "onednn", "wx"):
+        model = tiny_target("llama")
+        if impl == "onednn" and not K.IMPLS["onednn"].available(model.lm_head.weight):
+            continue
+        times = {"linear": 9.0, "wx": 9.0, "transposed": 9.0, "onednn": 9.0, impl: 1.0}
+        target = TargetModel(model, time_fn=fake(times))
+        assert {k for r in target.kernel_info()["shapes"] for k in r["kernels"]} == {impl}
+        draft = tiny_draft(model, block_size=8)
+        draft.config.draft_vocab = list(range(0, 96, 2))  # the draft's lm_head runs on rows of its own
+        ids = torch.tensor([[3, 5, 7, 9, 11]])
+        ref = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones_like(ids))
+        for block in (1, 8):
+            assert torch.equal(dflash_generate(draft, target, ids, 40, None, 0.0, block_size=block), ref), (impl, block)
+
+
+def test_a_choice_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    w = torch.randn(40, 16)
+    monkeypatch.setattr(machine, "load_average", lambda: 2.0 * (os.cpu_count() or 1))  # busy
+    K.KernelTable().choice(w)
+    busy_again = K.KernelTable()
+    busy_again.choice(w)
+    assert busy_again.cached == ["40x16"]  # still busy: nothing better to be had, the cache serves
+    monkeypatch.setattr(machine, "load_average", lambda: 0.0)  # quiet now
+    quiet = K.KernelTable()
+    quiet.choice(w)
+    assert quiet.cached == [] and quiet.measure_s > 0
+    again = K.KernelTable()
+    again.choice(w)
+    assert again.cached == ["40x16"]  # measured quiet: kept
+
+
+SMOLLM2_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Tom has 3 boxes with 12 apples each. He gives away 7 apples. How many apples are left?",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash table is in two sentences.",
+]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_hf_generate_on_both_kernel_settings():
+    """The real target on this machine's measured kernels and on torch's: every block size's
+    greedy output token for token HF generate's (a kernel that changed a token would show here)."""
+    from dflash.text.pipeline import Pipeline
+
+    torch.set_num_threads(2)
+    pipe = Pipeline.load(None, None, quiet=True)
+    targets = {"auto": pipe.target, "torch": TargetModel(pipe.target.model, kernels="torch")}
+    assert targets["auto"].kernel_info()["mode"] == "auto"
+    for prompt in SMOLLM2_PROMPTS:
+        ids = pipe.encode_chat([{"role": "user", "content": prompt}])
+        ref = pipe.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
+                                         eos_token_id=pipe.stop_token_ids, pad_token_id=pipe.tokenizer.pad_token_id)
+        for mode, target in targets.items():
+            for block in (1, 4, 16):
+                out = dflash_generate(pipe.draft, target, ids, 64, pipe.stop_token_ids, block_size=block)
+                assert torch.equal(out, ref), (prompt, mode, block)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_adapters_own_path_with_linear_kernels_gives_hfs_bits(family):
+    """F.linear on the model's weights and F.rms_norm for its RMSNorms, without the modules'
+    calls: the static decoder's hidden states bit for bit those of the model's own modules."""
+    model = tiny_target(family)
+    own = TargetModel(model, time_fn=fake({"linear": 1.0, "wx": 9.0, "transposed": 9.0, "onednn": 9.0}))
+    ref = TargetModel(model, kernels="torch")
+    assert own.linears is not None and own.linears.extra_bytes == 0
+    assert own.linears.for_tokens(1)[0].norm1 is not model.model.layers[0].input_layernorm  # the fused norm
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    ca, cb = own.new_cache(), ref.new_cache()
+    for chunk in (ids[:, :13], ids[:, 13:14], ids[:, 14:]):
+        (fa, ha), (fb, hb) = own.forward_hidden(chunk, ca, [1, 2]), ref.forward_hidden(chunk, cb, [1, 2])
+        assert torch.equal(fa, fb) and torch.equal(ha, hb)
+        with torch.inference_mode():
+            assert torch.equal(own.logits(fa), ref.logits(fb))
+
+
+def test_a_second_adapter_of_the_same_model_reuses_its_layout_until_a_weight_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    model = tiny_target("llama")
+    a, b = TargetModel(model), TargetModel(model)
+    assert b.linears is a.linears and b._head is a._head  # as_target(model) on every call builds nothing
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
+    c = TargetModel(model)
+    assert c.linears is not a.linears  # the changed weight is seen
+    assert TargetModel(model, kernels="torch").linears is None
