@@ -38,7 +38,8 @@ def tree_forward(target: TargetModel, cache: TargetCache | StaticTargetCache, ro
     mask = tree.attention_mask().to(target.device)  # (1+N, 1+N)
     if isinstance(cache, StaticTargetCache):
         cache.kv.reserve(start + ids.shape[1])
-        return static_decoder.forward(target.model, ids, positions, cache.kv, None, layer_ids, tree_mask=mask)
+        return static_decoder.forward(target.model, ids, positions, cache.kv, None, layer_ids, tree_mask=mask,
+                                      linears=target.linears)  # the adapter's measured kernels
     attention = hf_tree_mask(target, cache, positions[0], mask)
     out = target.decoder(input_ids=ids, position_ids=positions, attention_mask=attention, use_cache=True,
                          output_hidden_states=bool(layer_ids), **{target._cache_arg: cache.hf})
