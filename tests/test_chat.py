@@ -84,7 +84,7 @@ def test_live_view_updates_while_streaming(pipe):
 
 def test_chat_subcommand_is_registered():
     args = build_parser().parse_args(["chat", "--max-new-tokens", "5", "--plain", "--threads", "1"])
-    assert args.func.__name__ == "_run_chat" and args.max_new_tokens == 5
+    assert args.func.__name__ == "run_chat" and args.max_new_tokens == 5
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash.cli.commands import add_model_args, add_threads, set_threads
+from dflash.cli.commands import add_model_args, add_threads, deferred
 
 BENCH_DATASETS = ("humaneval", "mtbench", "math", "sharegpt")
 
@@ -60,15 +60,5 @@ def add_profile(sub) -> None:
     p.set_defaults(func=_run_profile)
 
 
-def _run_bench(args) -> int:
-    from dflash.bench.runner import run_bench_command
-
-    set_threads(args)
-    return run_bench_command(args)
-
-
-def _run_profile(args) -> int:
-    from dflash.bench.profile import run_profile_command
-
-    set_threads(args)
-    return run_profile_command(args)
+_run_bench = deferred("dflash.bench.runner:run_bench_command")
+_run_profile = deferred("dflash.bench.profile:run_profile_command")

@@ -62,6 +62,19 @@ def set_threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def deferred(target: str):
+    """A subcommand's func that imports its code only when it runs: set the thread count, then
+    call "module:function" with the parsed args."""
+    module, name = target.split(":")
+
+    def run(args) -> int:
+        set_threads(args)
+        return getattr(importlib.import_module(module), name)(args)
+
+    run.__qualname__ = run.__name__ = name
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless DFlash speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from dflash.cli.commands import add_model_args, add_spec_args, add_threads, set_threads, spec_from_args
+from dflash.cli.commands import add_model_args, add_spec_args, add_threads, deferred, set_threads, spec_from_args
 from dflash.serve.limits import PROMPT_CHARS_PER_TOKEN, Limits
 
 API_KEY_ENV = "DFLASH_API_KEY"
@@ -58,11 +58,7 @@ def add_serve(sub) -> None:
     c.set_defaults(func=_run_chat)
 
 
-def _run_chat(args) -> int:
-    from dflash.cli.chat import run_chat
-
-    set_threads(args)
-    return run_chat(args)
+_run_chat = deferred("dflash.cli.chat:run_chat")
 
 
 def run_serve(args) -> int:
