@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -187,3 +188,14 @@ class SlowTarget(TargetModel):
 def slow_pipeline(pipe: Pipeline, delay: float) -> Pipeline:
     """`pipe` on a target that takes at least `delay` seconds a forward pass."""
     return dataclasses.replace(pipe, target=SlowTarget(pipe.target.model, delay))
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline()
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    with LiveServer(pipe, model_name=MODEL) as s:
+        yield s

@@ -11,13 +11,15 @@ import time
 import httpx
 import openai
 import pytest
-from server_support import (
+from server_support import (  # noqa: F401  (pipe, server: the shared fixtures)
     MODEL,
     LiveServer,
     client,
     metrics,
     offline_chat,
     offline_text,
+    pipe,
+    server,
     slow_pipeline,
     tiny_pipeline,
     wait_for,
@@ -25,18 +27,6 @@ from server_support import (
 
 from dflash.engine.loop import dflash_generate
 from dflash.text.pipeline import SpecSettings
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    return tiny_pipeline()
-
-
-@pytest.fixture(scope="module")
-def server(pipe):
-    with LiveServer(pipe, model_name=MODEL) as s:
-        yield s
-
 
 # -- answers -----------------------------------------------------------------------------
 

@@ -13,13 +13,15 @@ import threading
 import httpx
 import pytest
 import torch
-from server_support import (
+from server_support import (  # noqa: F401  (pipe, server: the shared fixtures)
     MODEL,
     LiveServer,
     client,
     metrics,
     offline_chat,
     offline_text,
+    pipe,
+    server,
     slow_pipeline,
     tiny_pipeline,
 )
@@ -34,17 +36,6 @@ from dflash.text.pipeline import Pipeline
 
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 40  # > 256 tokens, < the character limit
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    return tiny_pipeline()
-
-
-@pytest.fixture(scope="module")
-def server(pipe):
-    with LiveServer(pipe, model_name=MODEL) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
