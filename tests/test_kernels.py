@@ -234,3 +234,34 @@ def test_a_second_adapter_of_the_same_model_reuses_its_layout_until_a_weight_cha
     c = TargetModel(model)
     assert c.linears is not a.linears  # the changed weight is seen
     assert TargetModel(model, kernels="torch").linears is None
+
+
+def test_the_drafts_linears_run_the_measured_kernels_and_output_stays_exact(tmp_path, monkeypatch):
+    """The draft's linears go through the adapter's kernel table (its layout, not the draft's
+    modules), rebuilt when the draft's weights change; greedy output still equals HF's."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    model = tiny_target("llama")
+    target = TargetModel(model, time_fn=fake({"linear": 5.0, "wx": 9.0, "transposed": 1.0, "onednn": 9.0}))
+    draft = tiny_draft(model, block_size=8)
+    before = {k: v.data_ptr() for k, v in draft.state_dict().items()}
+    layout = target.draft_layout(draft)
+    assert layout.fc.names == ("transposed",) * len(B) and len(layout.layers) == len(draft.layers)
+    assert all(f.names[0] == "transposed" for layer in layout.layers for f in layer)
+    assert target.draft_layout(draft) is layout  # built once
+    roles = {role for r in target.kernel_info()["shapes"] for role in r["roles"]}
+    assert {"draft fc", "draft q_proj", "draft down_proj"} <= roles
+    g = torch.Generator().manual_seed(0)
+    noise, ctx = torch.randn(1, 8, 64, generator=g), torch.randn(1, 5, draft.fc.in_features, generator=g)
+    pos = torch.arange(13)[None]
+    with torch.inference_mode():
+        own = draft(pos, noise_embedding=noise, target_hidden=ctx)
+        laid = draft(pos, noise_embedding=noise, target_hidden=ctx, layout=layout)
+    assert torch.allclose(own, laid, atol=1e-5) and not torch.equal(laid, torch.zeros_like(laid))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)
+    assert torch.equal(dflash_generate(draft, target, ids, 20, None, block_size=8), ref)
+    assert {k: v.data_ptr() for k, v in draft.state_dict().items()} == before  # the draft is not changed
+    with torch.no_grad():
+        draft.fc.weight.mul_(0.5)
+    assert target.draft_layout(draft) is not layout  # a trained (changed) draft gets a new layout
+    assert TargetModel(model, kernels="torch").draft_layout(draft) is None

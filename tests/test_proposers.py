@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from dflash.engine import loop as gen
-from dflash.engine.proposers import DraftProposer, TreeProposer
+from dflash.engine.proposers import DraftGain, DraftProposer, TreeProposer
 from dflash.engine.request import SamplingParams
 from dflash.engine.suffix import GlobalSuffixIndex
 from dflash.engine.target import TargetModel
+from dflash.engine.tree import TokenTree
 from dflash.testing import chi2_pvalue, exact_law, tiny_draft, tiny_target
 
 
@@ -132,3 +133,23 @@ def test_a_draft_that_does_not_pay_is_skipped_and_probed():
     out = gen.dflash_generate(draft, target, ids, 60, None, block_size=8, proposer=proposer)
     assert torch.equal(out, hf_greedy(model, ids, 60))
     assert not all(drafted) and sum(drafted) >= 2  # skipped, with a probe every fifth step
+
+
+def test_the_drafts_gain_is_weighed_against_the_same_tree_without_its_nodes():
+    """A drafted step commits its path; without the draft it would have stopped at the first
+    node only the draft proposed, on a tree of the other sources' nodes alone."""
+    proposer = TreeProposer(None, verify_cost=lambda n: 10.0 * n, draft_cost=5.0)
+    seen = []
+    proposer.gain.observe = lambda *a: seen.append(a)  # our own object: recording what it is told
+    t = torch.tensor
+    tree = TokenTree(t([7, 8, 9, 4]), t([-1, 0, 1, -1]), t([1, 2, 3, 1]), t([0.9, 0.5, 0.3, 0.2]),
+                     ("draft+suffix", "draft", "suffix", "suffix"))
+    proposer._observe_gain(tree, [0, 1])
+    assert seen == [(3, 5.0 + 50.0, 2, 40.0)]  # 3 tokens in 55 ms; without: 2 tokens on 3 nodes, 40 ms
+    gain = DraftGain()
+    assert gain.pays()  # nothing seen yet: draft
+    gain.observe(3, 55.0, 2, 30.0)
+    assert not gain.pays()  # 3 tokens / 55 ms < 2 / 30
+    for _ in range(30):
+        gain.observe(4, 55.0, 1, 30.0)
+    assert gain.pays()  # forgotten: the draft now wins

@@ -27,7 +27,7 @@ import torch
 from dflash.engine import machine
 from dflash.engine.cache import StaticTargetCache
 
-VERSION = 1
+VERSION = 2  # 2: the draft step runs the draft's measured kernels
 NS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 SECOND_NS = (1, 4, 16, 32)
 CONTEXTS = (256, 1024)
@@ -133,7 +133,8 @@ def time_draft_step(draft, target, head, cache, ctx_hidden, block: int, mask_id:
     ids[:, 0] = 1
     noise = target.embed(ids, draft.config.input_embedding_scale)  # (1, S, H)
     positions = torch.arange(cache.length, pos + block, device=target.device)[None]  # (1, C+S)
-    hidden = draft(positions, noise_embedding=noise, target_hidden=ctx_hidden, past_key_values=cache, use_cache=True)
+    hidden = draft(positions, noise_embedding=noise, target_hidden=ctx_hidden, past_key_values=cache, use_cache=True,
+                   layout=target.draft_layout(draft))  # (1, S, H), with the kernels the loop's proposer runs
     cache.crop_to(pos)  # the context only
     logits = head.logits(target, hidden[:, 1:])  # (1, S-1, V or K)
     logits.argmax(-1)

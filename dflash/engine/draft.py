@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,17 @@ from dflash.engine.config import ConfigError, DFlashConfig
 from dflash.engine.errors import CheckpointError
 from dflash.engine.io import atomic_folder
 
+LAYER_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+class DraftLayout(NamedTuple):
+    """The draft's linears as measured kernels (engine/kernels.py), for inference: `fc`, and
+    per layer its (q, k, v, o, gate, up, down) products in LAYER_LINEARS order. Built by
+    `DFlashDraftModel.kernel_layout`; the modules' own weights are left as they are."""
+    fc: Callable
+    layers: tuple[tuple[Callable, ...], ...]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -25,6 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # the same bits in one op
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -71,12 +85,14 @@ class DraftAttention(nn.Module):
         self.is_causal = sliding if config.is_causal is None else config.is_causal
         self.sliding_window = config.sliding_window if sliding else None
 
-    def forward(self, x, ctx, cos, sin, mask=None, cache: DraftCache | None = None):
+    def forward(self, x, ctx, cos, sin, mask=None, cache: DraftCache | None = None, proj=None):
+        """`proj`: (q, k, v, o) products to run instead of the modules' (a DraftLayout's)."""
+        q_proj, k_proj, v_proj, o_proj = proj or (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         b, q_len, _ = x.shape  # x: (B, Q, H) block; ctx: (B, C, H) projected context
         kv_in = torch.cat([ctx, x], dim=1)  # (B, C+Q, H)
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)  # (B, nH, Q, D)
-        k = self.k_norm(self.k_proj(kv_in).view(b, -1, self.n_kv, self.head_dim)).transpose(1, 2)  # (B, KV, C+Q, D)
-        v = self.v_proj(kv_in).view(b, -1, self.n_kv, self.head_dim).transpose(1, 2)  # (B, KV, C+Q, D)
+        q = self.q_norm(q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)  # (B, nH, Q, D)
+        k = self.k_norm(k_proj(kv_in).view(b, -1, self.n_kv, self.head_dim)).transpose(1, 2)  # (B, KV, C+Q, D)
+        v = v_proj(kv_in).view(b, -1, self.n_kv, self.head_dim).transpose(1, 2)  # (B, KV, C+Q, D)
         q, k = _rotate(q, cos[..., -q_len:, :], sin[..., -q_len:, :]), _rotate(k, cos, sin)
         offset = 0
         if cache is not None:
@@ -85,7 +101,7 @@ class DraftAttention(nn.Module):
         if mask is None and (self.is_causal or self.sliding_window is not None):
             mask = self._positional_mask(q_len, k.shape[-2], offset, x.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)  # (B, nH, Q, D)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        return o_proj(out.transpose(1, 2).reshape(b, q_len, -1))  # (B, Q, H)
 
     def _positional_mask(self, q_len, k_len, offset, device):
         k_pos = offset + torch.arange(k_len, device=device)[None, :]
@@ -105,8 +121,10 @@ class DraftMLP(nn.Module):
         self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, proj=None):
+        """`proj`: (gate, up, down) products to run instead of the modules' (a DraftLayout's)."""
+        gate, up, down = proj or (self.gate_proj, self.up_proj, self.down_proj)
+        return down(F.silu(gate(x)) * up(x))
 
 
 class DraftLayer(nn.Module):
@@ -117,9 +135,10 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin, mask=None, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, ctx, cos, sin, mask=None, cache=None, proj=None):
+        """`proj`: this layer's seven products of a DraftLayout (None: the modules')."""
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache, proj and proj[:4])
+        return x + self.mlp(self.post_attention_layernorm(x), proj and proj[4:])
 
 
 class DFlashDraftModel(nn.Module):
@@ -158,22 +177,35 @@ class DFlashDraftModel(nn.Module):
     def new_cache(self, sliding_window: int | None = None) -> DraftCache:
         return DraftCache(len(self.layers), sliding_window)
 
+    def kernel_layout(self, table) -> DraftLayout:
+        """This draft's linears as `table`'s measured kernels (a kernels.KernelTable: the
+        target adapter's, so shapes the target shares are measured once)."""
+        def lin(mod, role):
+            return table.linear(mod.weight, mod.bias, role=f"draft {role}")
+
+        layers = tuple(tuple(lin(getattr(getattr(layer, part), name), name) for part, name in LAYER_LINEARS)
+                       for layer in self.layers)
+        return DraftLayout(lin(self.fc, "fc"), layers)
+
     def forward(self, position_ids, attention_mask=None, noise_embedding=None, target_hidden=None,
-                past_key_values: DraftCache | None = None, use_cache: bool = False, **kwargs):
+                past_key_values: DraftCache | None = None, use_cache: bool = False,
+                layout: DraftLayout | None = None, **kwargs):
         """position_ids: (B, C+Q) for [new context ; block]; noise_embedding: (B, Q, H);
         target_hidden: (B, C, k*H) the chosen target layers' outputs, concatenated;
-        attention_mask: optional bool (B|1, 1|nH, Q, K), True = attend. Returns (B, Q, H)."""
+        attention_mask: optional bool (B|1, 1|nH, Q, K), True = attend; `layout`: run the
+        linears with its kernels (inference; None: the modules'). Returns (B, Q, H)."""
         if noise_embedding is None or target_hidden is None:
             raise ValueError("DFlashDraftModel.forward needs noise_embedding and target_hidden")
         x = noise_embedding  # (B, Q, H)
-        ctx = self.hidden_norm(self.fc(target_hidden.to(x.dtype)))  # (B, C, H)
+        fc = self.fc if layout is None else layout.fc
+        ctx = self.hidden_norm(fc(target_hidden.to(x.dtype)))  # (B, C, H)
         if position_ids.shape[-1] != ctx.shape[1] + x.shape[1]:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, expected context "
                              f"{ctx.shape[1]} + block {x.shape[1]}")
         cos, sin = self.rotary(position_ids.expand(x.shape[0], -1), x.dtype)  # (B, 1, C+Q, D)
         cache = past_key_values if use_cache else None
-        for layer in self.layers:
-            x = layer(x, ctx, cos, sin, attention_mask, cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, cos, sin, attention_mask, cache, None if layout is None else layout.layers[i])
         return self.norm(x)
 
     def spec_generate(self, target, input_ids, max_new_tokens, stop_token_ids, temperature=0.0, **kwargs):

@@ -111,6 +111,7 @@ class DraftProposer(Proposer):
         self.layer_ids = draft.config.target_layer_ids  # the target layers whose outputs are the context
         self.cache = draft.new_cache(window)
         self.head = head if head is not None else DraftHead.build(draft, target)
+        self.layout = target.draft_layout(draft)  # the draft's linears as measured kernels (None: its modules)
 
     def logits(self, ctx_hidden: torch.Tensor, last: torch.Tensor, pos: int, size: int) -> torch.Tensor:
         """ctx_hidden: (1, C, kH) the context not yet in the draft cache; last: (1,) the last
@@ -121,7 +122,7 @@ class DraftProposer(Proposer):
         positions = torch.arange(self.cache.length, pos + size, device=last.device)[None]  # (1, C+S)
         with self.timer.span("draft_forward"):
             hidden = self.draft(positions, noise_embedding=noise, target_hidden=ctx_hidden,
-                                past_key_values=self.cache, use_cache=True)  # (1, S, H)
+                                past_key_values=self.cache, use_cache=True, layout=self.layout)  # (1, S, H)
         self.cache.crop_to(pos)  # keep the context, drop the block's K/V
         with self.timer.span("draft_head"):
             return self.head.logits(self.target, hidden[:, 1:])  # (1, S-1, V or draft vocabulary)
@@ -166,9 +167,11 @@ class TreeProposer(Proposer):
     the expected accepted tokens of a tree are the sum of its nodes' calibrated path scores.
     `verify_cost(n)`: the time of a verify pass over n tokens (a cost model); None: always
     `max_nodes`. A budget of 0 makes the step a plain decoding step. With a cost model the draft
-    pass itself is skipped while it does not pay for itself (its accepted tokens per pass,
-    exponentially forgotten, are worth less than the pass costs in plain steps), with a probe
-    pass every `probe_every` skipped steps to notice when it would again."""
+    pass itself is skipped while it does not pay for itself: after each drafted step the tree
+    also says what the step would have committed without the draft's nodes (its accepted path
+    up to the first node only the draft proposed) and what that smaller tree would have cost,
+    so `DraftGain` compares tokens per ms with and without the draft; while the draft loses,
+    it runs only as a probe every `probe_every` steps, to notice when it would win again."""
 
     def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
                  max_nodes: int = 24, verify_cost: Callable[[int], float] | None = None, draft_cost: float = 0.0,
@@ -183,7 +186,7 @@ class TreeProposer(Proposer):
         self.index: SuffixIndex | None = None
         self._last: tuple[TokenTree, dict[str, float]] | None = None
         self.probe_every, self._skipped = probe_every, 0
-        self._draft_gain = 1.0  # accepted draft nodes per draft pass, forgotten at 0.9 per pass (prior 1)
+        self.gain = DraftGain()
         self._drafted = False
         self._context: torch.Tensor | None = None  # (1, C, kH) context handed over while the draft was skipped
 
@@ -211,9 +214,9 @@ class TreeProposer(Proposer):
         return tree
 
     def _draft_pays(self) -> bool:
-        """Run the draft pass this step? Yes while its accepted tokens outweigh its cost in plain
-        steps (T_d < gain * T_t(1)), and once every `probe_every` skipped steps."""
-        if self.verify_cost is None or self.draft_cost <= self._draft_gain * self.verify_cost(1):
+        """Run the draft pass this step? Yes while it wins on tokens per ms (`DraftGain`),
+        and once every `probe_every` skipped steps."""
+        if self.verify_cost is None or self.gain.pays():
             self._skipped = 0
             return True
         self._skipped += 1
@@ -236,10 +239,34 @@ class TreeProposer(Proposer):
         if self._last is not None and path is not None:
             tree, weights = self._last
             self.calibration.observe(tree, path, weights)
-            if self._drafted:
-                gained = sum("draft" in tree.sources[i] for i in path)
-                self._draft_gain = 0.9 * self._draft_gain + 0.1 * gained
+            if self._drafted and self.verify_cost is not None:
+                self._observe_gain(tree, path)
         self._last = None
+
+    def _observe_gain(self, tree: TokenTree, path: Sequence[int]) -> None:
+        """What this drafted step committed and cost, beside the same tree without the nodes
+        only the draft proposed (the other sources' nodes are closed under parents)."""
+        own = [s == "draft" for s in tree.sources]  # (N,) proposed by the draft alone
+        kept = next((j for j, i in enumerate(path) if own[i]), len(path))  # path length without the draft
+        self.gain.observe(1 + len(path), self.draft_cost + self.verify_cost(len(tree) + 1),
+                          1 + kept, self.verify_cost(len(tree) - sum(own) + 1))
+
+
+class DraftGain:
+    """Tokens per ms of drafted steps, with the draft's nodes and (counterfactually) without
+    them, exponentially forgotten at `decay` per drafted step. The draft pays while the first
+    rate is at least the second; with no drafted step seen yet, it does."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.sums = [0.0, 0.0, 0.0, 0.0]  # tokens with, ms with, tokens without, ms without
+
+    def observe(self, tokens: float, ms: float, tokens_without: float, ms_without: float) -> None:
+        self.sums = [self.decay * s + x for s, x in zip(self.sums, (tokens, ms, tokens_without, ms_without))]
+
+    def pays(self) -> bool:
+        tok, ms, tok0, ms0 = self.sums
+        return ms == 0 or tok * ms0 >= tok0 * ms
 
 
 PROPOSERS = ("draft", "tree", "suffix", "hybrid")

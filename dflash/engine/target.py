@@ -67,6 +67,7 @@ class TargetModel:
         self.linears: kernel_choice.DecoderLinears | None = None  # static_decoder.forward(..., linears=)
         self._head: kernel_choice.Linear | None = None
         self._rows: dict[int, tuple] = {}  # id(head_rows tensor) -> (weakref to it, its Linear)
+        self._drafts: dict[int, tuple] = {}  # id(draft) -> (weakref to it, its weights' version, its DraftLayout)
         if self.kernels != "auto":
             return
         # a second TargetModel of the same model (as_target wraps a bare HF model on every call)
@@ -91,7 +92,9 @@ class TargetModel:
         if self.kernel_table is None:
             return {"mode": self.kernels}
         counts = dict(self.linears.counts) if self.linears is not None else {}
-        for lin in [self._head] + [lin for ref, lin in self._rows.values() if ref() is not None]:
+        drafts = [lin for ref, _, layout in self._drafts.values() if ref() is not None
+                  for lin in (layout.fc, *(f for layer in layout.layers for f in layer))]
+        for lin in [self._head] + [lin for ref, lin in self._rows.values() if ref() is not None] + drafts:
             if lin is not None:
                 name = f"{lin.weight.shape[0]}x{lin.weight.shape[1]}"
                 counts[name] = counts.get(name, 0) + 1
@@ -136,6 +139,21 @@ class TargetModel:
         self._rows = {k: v for k, v in self._rows.items() if v[0]() is not None}
         self._rows[id(rows)] = (weakref.ref(rows), lin)
         return rows
+
+    def draft_layout(self, draft: nn.Module):
+        """A draft's linears as this adapter's measured kernels (`draft.kernel_layout`), built
+        once per draft and rebuilt when its weights change (training); None with
+        kernels="torch" (the draft's own modules run)."""
+        if self.kernel_table is None or not hasattr(draft, "kernel_layout"):
+            return None
+        version = _weight_versions(draft)
+        entry = self._drafts.get(id(draft))
+        if entry is not None and entry[0]() is draft and entry[1] == version:
+            return entry[2]
+        layout = draft.kernel_layout(self.kernel_table)
+        self._drafts = {k: v for k, v in self._drafts.items() if v[0]() is not None}
+        self._drafts[id(draft)] = (weakref.ref(draft), version, layout)
+        return layout
 
     def new_cache(self) -> TargetCache | StaticTargetCache:
         return StaticTargetCache(self.model) if self.static else TargetCache(self.model.config)
