@@ -21,11 +21,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash.engine.loop import dflash_generate
+from dflash.engine.request import SamplingParams
 from dflash.engine.target import TargetModel
 from dflash.testing import tiny_pipeline, tiny_tokenizer  # noqa: F401  (re-exported for the server tests)
 from dflash.text.detok import complete_text
-from dflash.text.pipeline import Pipeline
+from dflash.text.pipeline import Pipeline, SpecSettings
 
 MODEL = "tiny"
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,13 +75,16 @@ def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def offline_answer(pipe, ids, max_tokens, temperature=0.0, seed=None, **kw) -> tuple[str, str]:
-    """What the server should answer, computed offline: (text, finish_reason)."""
+def offline_answer(pipe, ids, max_tokens, temperature=0.0, seed=None, top_p=1.0, top_k=0,
+                   spec=None) -> tuple[str, str]:
+    """What the server should answer, computed offline through the same loop entry
+    (`Pipeline.stream`, with `spec` or the pipeline's settings): (text, finish_reason)."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    r = dflash_generate(pipe.draft, pipe.target, ids, max_tokens, pipe.stop_token_ids, temperature,
-                        generator=gen, return_stats=True, **kw)
-    text = pipe.tokenizer.decode(r.output_ids[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-    return complete_text(text), r.finish_reason
+    tokens, finish = [], "length"
+    for step in pipe.stream(ids, max_tokens, SamplingParams(temperature, top_p, top_k), gen, spec):
+        tokens += step.tokens
+        finish = step.finish_reason or finish
+    return complete_text(pipe.tokenizer.decode(tokens, skip_special_tokens=True)), finish
 
 
 def offline(pipe, ids, max_tokens, **kw) -> str:
@@ -185,9 +188,15 @@ class SlowTarget(TargetModel):
         return super().forward_hidden(*args, **kwargs)
 
 
+# the draft's whole chain every step: at most a block of tokens per target pass, whatever the
+# text (the default hybrid proposer copies a tiny model's repetitive text many tokens a pass)
+CHAIN = SpecSettings(proposer="draft", policy="fixed")
+
+
 def slow_pipeline(pipe: Pipeline, delay: float) -> Pipeline:
-    """`pipe` on a target that takes at least `delay` seconds a forward pass."""
-    return dataclasses.replace(pipe, target=SlowTarget(pipe.target.model, delay))
+    """`pipe` on a target that takes at least `delay` seconds a forward pass, speculating by
+    the draft's chain (so a long answer takes many passes)."""
+    return dataclasses.replace(pipe, target=SlowTarget(pipe.target.model, delay), spec=CHAIN)
 
 
 @pytest.fixture(scope="module")

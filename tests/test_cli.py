@@ -6,9 +6,9 @@ import pytest
 import torch
 from server_support import tiny_pipeline
 
-from dflash.cli.commands import main
+from dflash.cli.commands import build_parser, main, spec_from_args
 from dflash.engine.loop import dflash_generate
-from dflash.text.pipeline import Pipeline
+from dflash.text.pipeline import Pipeline, SpecSettings
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +78,15 @@ def test_mismatched_draft_is_named(folders, tmp_path, capsys):
     DFlashDraftModel(DFlashConfig(**{**cfg.__dict__, "hidden_size": 32, "head_dim": 8})).save_pretrained(tmp_path / "d")
     rc = main(["generate", "hi", "--target", str(root / "target"), "--draft", str(tmp_path / "d")])
     assert rc == 2 and "hidden_size 32 != target hidden_size 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["chat"]])
+def test_the_default_speculation_is_hybrid_and_a_threshold_asks_for_the_fixed_chain(command):
+    """No flags: the hybrid tree (the measured default); --draft-threshold keeps its meaning (the
+    draft's chain, cut at that probability); --policy adaptive cuts the chain by the cost model."""
+    def spec(*flags):
+        return spec_from_args(build_parser().parse_args([*command, *flags]))
+    assert spec() == SpecSettings() == SpecSettings(None, 0.0, "hybrid", "adaptive")
+    assert spec("--draft-threshold", "0.3") == SpecSettings(draft_threshold=0.3, proposer="draft", policy="fixed")
+    assert spec("--proposer", "draft").adaptive_chain and not spec("--proposer", "draft", "--policy", "fixed").adaptive_chain
+    assert spec("--block-size", "4", "--proposer", "suffix") == SpecSettings(4, proposer="suffix")

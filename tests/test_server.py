@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from server_support import (  # noqa: F401  (pipe, server: the shared fixtures)
+    CHAIN,
     MODEL,
     LiveServer,
     client,
@@ -123,7 +124,7 @@ def test_one_token_and_top_k(server, pipe):
 
 def test_acceptance_stats_in_usage_and_metrics(pipe):
     perfect = tiny_pipeline(perfect=True)  # every draft token is accepted: tau = block size
-    with LiveServer(perfect, model_name=MODEL) as s:
+    with LiveServer(perfect, model_name=MODEL, spec=CHAIN) as s:  # the chain's counters, as dflash_generate's
         before = metrics(s.url)
         out = client(s.url).completions.create(model=MODEL, prompt="hello", max_tokens=20, temperature=0)
         ref = dflash_generate(perfect.draft, perfect.target, perfect.encode_text("hello"), 20,

@@ -29,17 +29,19 @@ def add_kernels(p) -> None:
                         "and run the fastest; torch: the model's own modules (default: auto)")
 
 
-def add_spec_args(p, proposer: str = "draft") -> None:
-    """How the loop speculates: the flags of `text.pipeline.SpecSettings` (`proposer`: the default)."""
+def add_spec_args(p) -> None:
+    """How the loop speculates: the flags of `text.pipeline.SpecSettings`, with its defaults."""
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
     p.add_argument("--draft-threshold", type=float, default=0.0, metavar="P",
                    help="verify only the leading proposals the draft gives probability >= P (default 0: all)")
-    p.add_argument("--proposer", choices=("draft", "tree", "suffix", "hybrid"), default=proposer,
+    p.add_argument("--proposer", choices=("draft", "tree", "suffix", "hybrid"), default=None,
                    help="what each step verifies: the draft's chain, a tree over its top-k, n-gram matches of the "
-                        f"text, or both in one tree (trees sized by this machine's cost model; default: {proposer})")
-    p.add_argument("--policy", choices=("fixed", "adaptive"), default="fixed",
-                   help="fixed: verify the whole block; adaptive: each step's verify length (plain steps "
-                        "included) chosen by this machine's cost model (default: fixed)")
+                        "text, or both in one tree (trees sized by this machine's cost model; default: hybrid, "
+                        "or draft with --draft-threshold)")
+    p.add_argument("--policy", choices=("fixed", "adaptive"), default=None,
+                   help="how much of the draft's chain (--proposer draft) each step verifies: fixed, the whole "
+                        "block (or what --draft-threshold keeps); adaptive, a length chosen per step by this "
+                        "machine's cost model, plain steps included (default: adaptive, fixed with a threshold)")
 
 
 def spec_from_args(args):

@@ -15,7 +15,7 @@ def add_generate(sub) -> None:
     p.add_argument("--messages", help="chat messages as a JSON list of {role, content}, or @FILE")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     add_model_args(p)
-    add_spec_args(p, proposer="hybrid")  # measured fastest on the demo and code/chat prompts (benchmarks/cpu/session5)
+    add_spec_args(p)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -51,7 +51,7 @@ def add_serve(sub) -> None:
     c.add_argument("--temperature", type=float, default=0.0)
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--max-new-tokens", type=int, default=256)
-    add_spec_args(c, proposer="hybrid")
+    add_spec_args(c)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--plain", action="store_true", help="no live status line (the default when not a terminal)")
     add_threads(c)

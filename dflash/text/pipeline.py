@@ -26,16 +26,19 @@ POLICIES = ("fixed", "adaptive")
 
 @dataclass(frozen=True)
 class SpecSettings:
-    """How the loop speculates. `proposer`: "draft" (the DFlash draft's chain), "tree" (a tree
-    over its top-k), "suffix" (n-gram matches of the text), "hybrid" (both in one tree); trees
-    are sized per step by this machine's cost model. `policy`: "fixed" verifies the whole block
-    (or the proposals the draft gives at least `draft_threshold`); "adaptive" chooses each
-    step's verify length, plain steps included, by the cost model. `shared_suffix`: also match
-    earlier responses of this pipeline (the server's; bounded in memory)."""
+    """How the loop speculates. `proposer`: "hybrid" (the draft's top-k and n-gram matches of
+    the text in one tree), "draft" (the DFlash draft's chain), "tree" (a tree over its top-k),
+    "suffix" (n-gram matches alone); trees are sized per step by this machine's cost model,
+    which also skips the draft pass while it does not pay. `policy` cuts the draft's chain:
+    "adaptive" chooses each step's verify length, plain steps included, by the cost model;
+    "fixed" verifies the whole block, or the proposals the draft gives at least
+    `draft_threshold`. Defaults (None): "hybrid", measured fastest on every prompt set here;
+    with a `draft_threshold`, the draft's chain under the fixed policy that applies it.
+    `shared_suffix`: also match earlier responses of this pipeline (the server's; bounded)."""
     block_size: int | None = None  # None: the draft's
     draft_threshold: float = 0.0
-    proposer: str = "draft"
-    policy: str = "fixed"
+    proposer: str | None = None  # None: "hybrid", or "draft" with a draft_threshold
+    policy: str | None = None  # None: "adaptive", or "fixed" with a draft_threshold
     shared_suffix: bool = False
 
     def __post_init__(self):
@@ -44,14 +47,23 @@ class SpecSettings:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if not isinstance(self.draft_threshold, (int, float)) or not 0.0 <= self.draft_threshold <= 1.0:
             raise ValueError(f"draft_threshold must be a probability in [0, 1], got {self.draft_threshold!r}")
+        if self.proposer is None:
+            object.__setattr__(self, "proposer", "draft" if self.draft_threshold > 0 else "hybrid")
         if self.proposer not in PROPOSERS:
             raise ValueError(f"unknown proposer {self.proposer!r}: use one of {', '.join(PROPOSERS)}")
+        if self.policy is None:
+            object.__setattr__(self, "policy", "fixed" if self.draft_threshold > 0 else "adaptive")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown verify policy {self.policy!r}: use one of {', '.join(POLICIES)}")
 
     @property
+    def adaptive_chain(self) -> bool:
+        """The draft's chain cut by the adaptive policy (trees size themselves)."""
+        return self.proposer == "draft" and self.policy == "adaptive"
+
+    @property
     def needs_cost_model(self) -> bool:
-        return self.policy == "adaptive" or self.proposer != "draft"
+        return self.adaptive_chain or self.proposer != "draft"
 
 
 @dataclass
@@ -87,7 +99,7 @@ class Pipeline:
         spec = spec or self.spec
         block = self.block_size(spec)
         cost = self.cost_model() if spec.needs_cost_model and block > 1 else None
-        policy = AdaptivePolicy(cost, block) if spec.policy == "adaptive" and block > 1 else None
+        policy = AdaptivePolicy(cost, block) if spec.adaptive_chain and block > 1 else None
         proposer = spec.proposer
         if block > 1 and spec.proposer != "draft":
             proposer = build_proposer(spec.proposer, self.draft, self.target, params,
