@@ -152,3 +152,18 @@ def test_summaries_separate_the_speedup_over_hf_generate_from_the_one_over_our_l
     assert summarize(recs, "d", BASELINE, BASELINE, 1).speedup_vs_loop is None
     row = dict(zip(COLUMNS, summary_row(s)))
     assert row["speedup"] == "4.00x" and row["vs loop-b1"] == "2.00x"
+
+
+def test_tokens_per_pass_counts_plain_passes_that_tau_leaves_out():
+    """tau (vLLM's) skips passes without proposals, so a proposer that often has none looks
+    better by tau than by tokens per pass; the report gives both, and the sources' shares."""
+    from dflash.bench.report import markdown_sources
+    from dflash.bench.stats import Record, summarize
+
+    steps = [(0, 0, 1), (4, 3, 4), (0, 0, 1), (6, 1, 2)]  # two plain passes, two with proposals
+    rec = Record("suffix-b8", [1] * 9, 3, 1.0, 0.1, steps, prompt_id="p", dataset="d",
+                 extra={"accepted_per_source": {"suffix": 3, "draft": 1}})
+    s = summarize([rec], "d", "suffix-b8", "target", 8)
+    assert s.tau == pytest.approx(3.0) and s.tokens_per_pass == pytest.approx(2.0) and s.plain_share == 0.5
+    assert s.verified_per_step == pytest.approx(6.0) and s.source_share == {"draft": 0.25, "suffix": 0.75}
+    assert "| d | suffix-b8 | 6.0 | 0.50 | 0.25 | 0.75 |" in markdown_sources([s])

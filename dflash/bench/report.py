@@ -6,7 +6,8 @@ from pathlib import Path
 
 from dflash.bench.stats import Summary
 
-COLUMNS = ("dataset", "method", "prompts", "tau", "tok/s", "speedup", "paired", "vs loop-b1", "TTFT ms", "peak MB")
+COLUMNS = ("dataset", "method", "prompts", "tau", "tok/pass", "tok/s", "speedup", "paired", "vs loop-b1", "TTFT ms",
+           "peak MB")
 
 
 def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
@@ -14,7 +15,7 @@ def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
 
 
 def summary_row(s: Summary) -> list[str]:
-    return [s.dataset, s.method, str(s.prompts), _fmt(s.tau), _fmt(s.tokens_per_s, ".1f"),
+    return [s.dataset, s.method, str(s.prompts), _fmt(s.tau), _fmt(s.tokens_per_pass), _fmt(s.tokens_per_s, ".1f"),
             _fmt(s.speedup, ".2f") + ("x" if s.speedup is not None else ""), _fmt(s.speedup_paired_median),
             _fmt(s.speedup_vs_loop, ".2f") + ("x" if s.speedup_vs_loop is not None else ""),
             _fmt(s.ttft_ms, ".0f"), _fmt(s.peak_memory_mb, ".0f")]
@@ -38,6 +39,38 @@ def rich_table(summaries: list[Summary], title: str):
 def markdown_table(summaries: list[Summary]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(summary_row(s)) + " |" for s in summaries]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_machine(info: dict) -> str:
+    """Where the figures were measured (bench.machine.machine_info), with the kernel table."""
+    load = info.get("load_average")
+    lines = [f"Machine: {info.get('cpu')}, {info.get('cpus')} CPUs, {info.get('threads')} torch threads, torch "
+             f"{info.get('torch')}, load average at the end {load[0]:.2f}" if load else
+             f"Machine: {info.get('cpu')}, {info.get('cpus')} CPUs, {info.get('threads')} torch threads"]
+    kernels = info.get("kernels") or {}
+    if kernels.get("shapes"):
+        lines += ["", "Kernels (mode auto): " + "; ".join(
+            f"{r['shape']} ({', '.join(r['roles'])}): " + " ".join(f"{b}:{k}" for b, k in zip(r["buckets"], r["kernels"]))
+            for r in kernels["shapes"])]
+    elif kernels:
+        lines += ["", f"Kernels: {kernels.get('mode')}"]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_sources(summaries: list[Summary]) -> str:
+    """What each speculative method verified: tokens per verify pass with proposals (a tree's
+    nodes + 1), the share of plain passes, and the share of accepted proposals per source."""
+    spec = [s for s in summaries if s.verified_per_step is not None]
+    if not spec:
+        return ""
+    sources = sorted({k for s in spec for k in s.source_share})
+    head = ["dataset", "method", "verified/pass", "plain passes"] + [f"accepted from {k}" for k in sources]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in spec:
+        cells = [_fmt(s.verified_per_step, ".1f"), _fmt(s.plain_share)]
+        cells += [_fmt(s.source_share.get(k)) if s.source_share else "-" for k in sources]
+        lines.append("| " + " | ".join([s.dataset, s.method] + cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -201,7 +201,9 @@ def _title(args, pipe) -> str:
 def _write_outputs(args, pipe, prompts, records, sums, mismatches, notes, console) -> None:
     from dflash.bench.report import (
         markdown_block_choice,
+        markdown_machine,
         markdown_positions,
+        markdown_sources,
         markdown_table,
         write_plots,
     )
@@ -214,7 +216,9 @@ def _write_outputs(args, pipe, prompts, records, sums, mismatches, notes, consol
     if args.markdown:
         path = Path(args.markdown)
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = markdown_table(sums) + "\nPer-position acceptance:\n\n" + markdown_positions(sums)
+        text = (markdown_machine(machine_info(pipe.target.kernel_info())) + "\n" + markdown_table(sums)
+                + "\nWhat each pass verified, and where the accepted proposals came from:\n\n" + markdown_sources(sums)
+                + "\nPer-position acceptance:\n\n" + markdown_positions(sums))
         if args.profile_json:
             text += "\n" + markdown_block_choice(sums, json.loads(Path(args.profile_json).read_text()))
         path.write_text(text)

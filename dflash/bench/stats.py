@@ -117,6 +117,8 @@ class Summary:
     verified_per_step: float | None = None  # mean tokens a verify pass checks (1 + proposals: a tree's nodes)
     source_share: dict = field(default_factory=dict)  # share of accepted proposals per source
     speedup_vs_loop: float | None = None  # as `speedup`, against our own loop at block 1 (what speculation adds)
+    tokens_per_pass: float | None = None  # tokens per target pass after the prefill, plain steps included
+    plain_share: float | None = None  # share of those passes that verified no proposal
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,7 +156,9 @@ def summarize(records: list[Record], dataset: str, method: str, baseline: str, b
                    histogram(lengths, block_size), per_position_acceptance(steps, block_size),
                    median([r.tokens_per_s for r in rs]), _ms(median([r.time_to_first_token for r in rs])),
                    speedup, median(list(ratios.values())), max((r.peak_memory_mb for r in rs), default=None),
-                   verified, share, _median_speedup(rs, loop) if method != baseline else None)
+                   verified, share, _median_speedup(rs, loop) if method != baseline else None,
+                   sum(lengths) / len(steps) if steps else None,
+                   stats.num_plain_steps / len(steps) if steps else None)
 
 
 def _ms(seconds):
