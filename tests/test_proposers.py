@@ -153,3 +153,14 @@ def test_the_drafts_gain_is_weighed_against_the_same_tree_without_its_nodes():
     for _ in range(30):
         gain.observe(4, 55.0, 1, 30.0)
     assert gain.pays()  # forgotten: the draft now wins
+
+
+@pytest.mark.parametrize("kind", ["draft", "tree", "suffix", "hybrid"])
+def test_block_size_one_is_plain_decoding_whatever_proposer_is_named(kind):
+    """--block-size 1 with the default (hybrid) proposer, or any other: plain target steps."""
+    model = tiny_target("llama")
+    target, draft = TargetModel(model), tiny_draft(model, block_size=8)
+    ids = torch.tensor([[2, 4, 6, 8]])
+    steps = list(gen.stream_generate(draft, target, ids, 12, block_size=1, proposer=kind))
+    assert [t for s in steps for t in s.tokens] == hf_greedy(model, ids, 12)[0, 4:].tolist()
+    assert all(s.proposed == 0 for s in steps)

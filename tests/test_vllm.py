@@ -166,7 +166,8 @@ def test_bench_methods_are_opt_in_and_say_when_vllm_is_missing(monkeypatch, tmp_
     monkeypatch.setenv("DFLASH_VLLM_PYTHON", str(tmp_path / "no-python"))
     assert bv.bench_methods(s) == [] and any("vLLM not found" in n for n in s.notes)
     monkeypatch.setenv("DFLASH_VLLM_PYTHON", sys.executable)
-    assert [n for n, _ in bv.bench_methods(s)] == ["vllm", "vllm-dflash-b16", "vllm-dflash-b8"]
+    assert [n for n, _ in bv.bench_methods(s)] == ["vllm", "vllm-dflash-b16", "vllm-ngram-b16", "vllm-dflash-b8",
+                                                   "vllm-ngram-b8"]
 
 
 def test_engine_reports_a_worker_that_cannot_start(tmp_path):
@@ -220,7 +221,7 @@ def test_vllm_serves_our_draft_losslessly_with_our_acceptance(vllm_py, monkeypat
     settings.vllm = True
     methods = [(BASELINE, hf_method(BASELINE, settings)), ("dflash-b16", loop_method(16, settings))]
     methods += bv.bench_methods(settings)
-    assert [n for n, _ in methods][2:] == ["vllm", "vllm-dflash-b16"], settings.notes
+    assert [n for n, _ in methods][2:] == ["vllm", "vllm-dflash-b16", "vllm-ngram-b16"], settings.notes
     prompts = [Prompt(f"p{i}", "vllm-test", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)]
     try:
         records = run_bench(pipe, prompts, methods, MAX_NEW_TOKENS)

@@ -229,19 +229,14 @@ def cost_model_summary(target, draft, clock: Clock = time.perf_counter, blocks=B
 
 
 def time_draft_kernels(target, draft) -> list[str]:
-    """Put the draft's linear shapes into the target's kernel table (measured or cached like
-    the target's), for the report: the draft network (engine/draft.py) still runs its own
-    nn.Linear modules, so these choices are shown, not applied. Returns the shapes."""
-    table = getattr(target, "kernel_table", None)
-    if table is None or draft is None:
+    """The draft's linears in the target adapter's layout (`TargetModel.draft_layout`: measured
+    or cached like the target's, and what the loop's draft pass runs), so the report's kernel
+    table holds them. Returns their shapes ([] with kernels="torch")."""
+    layout = None if draft is None else target.draft_layout(draft)
+    if layout is None:
         return []
-    shapes = []
-    for name, mod in draft.named_modules():
-        if isinstance(mod, torch.nn.Linear):
-            role = "draft " + name.rsplit(".", 1)[-1] + " (not applied)"
-            table.choice(mod.weight, mod.bias, role=role)
-            shapes.append(f"{mod.weight.shape[0]}x{mod.weight.shape[1]}")
-    return sorted(set(shapes))
+    return sorted({f"{lin.weight.shape[0]}x{lin.weight.shape[1]}"
+                   for lin in (layout.fc, *(f for layer in layout.layers for f in layer))})
 
 
 PROFILE_PROMPT = "Write a Python function that returns the first n prime numbers, with a docstring and a test."

@@ -20,8 +20,9 @@ def wanted(settings) -> bool:
 
 
 def bench_methods(settings) -> list:
-    """[(name, method)] for `dflash bench`: `vllm` (plain) and `vllm-dflash-b{B}` per block
-    size B > 1. A method is `(pipeline, input_ids, max_new_tokens) -> Record`."""
+    """[(name, method)] for `dflash bench`: `vllm` (plain), and per block size B > 1
+    `vllm-dflash-b{B}` (our draft in vLLM) and `vllm-ngram-b{B}` (vLLM's n-gram proposer, B - 1
+    tokens a step). A method is `(pipeline, input_ids, max_new_tokens) -> Record`."""
     if not wanted(settings):
         return []
     python = vllm_python()
@@ -32,14 +33,15 @@ def bench_methods(settings) -> list:
     for b in dict.fromkeys(settings.block_sizes):
         if b > 1:
             methods.append((f"vllm-dflash-b{b}", _bench_method(f"vllm-dflash-b{b}", b, settings, python)))
+            methods.append((f"vllm-ngram-b{b}", _bench_method(f"vllm-ngram-b{b}", b, settings, python, ngram=True)))
     settings.notes.append("vLLM methods run in a worker process (one compute thread pinned to one core, its "
                           "engine loop on another); their peak memory is not measured")
     return methods
 
 
-def _bench_method(name: str, block_size: int | None, settings, python: str):
+def _bench_method(name: str, block_size: int | None, settings, python: str, ngram: bool = False):
     def run(pipe, input_ids, max_new_tokens):
-        eng = engine_for(pipe, block_size, python=python, seed=getattr(settings, "seed", 0))
+        eng = engine_for(pipe, block_size, python=python, seed=getattr(settings, "seed", 0), ngram=ngram)
         r = eng.generate(input_ids, max_new_tokens, pipe.stop_token_ids, getattr(settings, "temperature", 0.0))
         k = block_size - 1 if block_size else 0
         steps = [(k, c - 1, c) for c in r.commits] if block_size else []

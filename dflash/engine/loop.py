@@ -142,7 +142,9 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     if max_new_tokens == 0:
         return
     stop = frozenset(int(t) for t in (stop_token_ids or ()))
-    if block_size > 1 and (proposer is None or isinstance(proposer, str)):
+    if block_size <= 1:  # plain decoding: nothing to propose, whatever was asked
+        proposer = None
+    elif proposer is None or isinstance(proposer, str):
         proposer = build_proposer(proposer or "draft", draft, target, params, checked.mask_id, generator,
                                   draft_window, timer, cost_model, block_size)
     policy = policy or ThresholdPolicy(draft_threshold)

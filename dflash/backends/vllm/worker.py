@@ -144,8 +144,12 @@ class VLLMEngine:
     def __init__(self, target: str | Path, draft: str | Path | None = None, num_speculative_tokens: int = 15,
                  dtype: str = "float32", max_model_len: int = 4096, kv_cache_gib: float = 1.0, seed: int = 0,
                  python: str | None = None, log_path: str | Path | None = None, startup_timeout: float = 1200.0,
-                 request_timeout: float = 1200.0, threads: int | None = None):
-        self.config = {"target": str(target), "draft": str(draft) if draft else None,
+                 request_timeout: float = 1200.0, threads: int | None = None, ngram: bool = False):
+        """`draft`: our DFlash draft as vLLM's drafter; `ngram`: vLLM's own n-gram (prompt lookup)
+        proposer instead, `num_speculative_tokens` per step; neither: plain decoding."""
+        if ngram and draft:
+            raise ValueError("vLLM runs one proposer: a draft or ngram, not both")
+        self.config = {"target": str(target), "draft": str(draft) if draft else None, "ngram": bool(ngram),
                        "num_speculative_tokens": int(num_speculative_tokens), "dtype": dtype,
                        "max_model_len": int(max_model_len), "kv_cache_gib": kv_cache_gib, "seed": int(seed),
                        "threads": threads}
@@ -278,14 +282,17 @@ _ENGINES: dict = {}  # started engines, shared by the benchmark methods of one p
 _EXPORTED: dict = {}  # exported random drafts, one temporary folder per pipeline
 
 
-def engine_for(pipe, block_size: int | None, python: str | None = None, seed: int = 0) -> VLLMEngine:
-    """A started engine for this pipeline's target (and draft at `block_size`), shared
-    between calls; a random (untrained) draft is exported to a temporary folder first."""
+def engine_for(pipe, block_size: int | None, python: str | None = None, seed: int = 0,
+               ngram: bool = False) -> VLLMEngine:
+    """A started engine for this pipeline's target (and draft at `block_size`, or vLLM's n-gram
+    proposer with `ngram`), shared between calls; a random (untrained) draft is exported to a
+    temporary folder first."""
     target = target_dir(pipe)
-    draft = draft_dir(pipe) if block_size else None
-    key = (target, draft, block_size, seed)
+    draft = draft_dir(pipe) if block_size and not ngram else None
+    key = (target, draft, block_size, seed, ngram)
     if key not in _ENGINES:
-        _ENGINES[key] = VLLMEngine(target, draft, (block_size or 1) - 1, python=python, seed=seed).start()
+        _ENGINES[key] = VLLMEngine(target, draft, (block_size or 1) - 1, python=python, seed=seed,
+                                   ngram=ngram).start()
     return _ENGINES[key]
 
 
@@ -355,6 +362,9 @@ def _load_llm(cfg: dict):
     spec = None
     if cfg.get("draft"):
         spec = {"method": "dflash", "model": cfg["draft"], "num_speculative_tokens": cfg["num_speculative_tokens"]}
+    elif cfg.get("ngram"):  # vLLM's prompt lookup: the longest n-gram (up to 4) of the text seen before
+        spec = {"method": "ngram", "num_speculative_tokens": cfg["num_speculative_tokens"],
+                "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     return LLM(model=cfg["target"], tokenizer=cfg["target"], dtype=cfg.get("dtype", "float32"), enforce_eager=True,
                max_model_len=cfg.get("max_model_len", 4096), speculative_config=spec, seed=cfg.get("seed", 0),
                disable_log_stats=False, max_num_seqs=8,
