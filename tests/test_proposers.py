@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash.engine import loop as gen
-from dflash.engine.proposers import DraftGain, DraftProposer, TreeProposer
+from dflash.engine.proposers import DraftGain, DraftProposer, TreeProposer, offer_bucket
 from dflash.engine.request import SamplingParams
 from dflash.engine.suffix import GlobalSuffixIndex
 from dflash.engine.target import TargetModel
@@ -153,6 +153,28 @@ def test_the_drafts_gain_is_weighed_against_the_same_tree_without_its_nodes():
     for _ in range(30):
         gain.observe(4, 55.0, 1, 30.0)
     assert gain.pays()  # forgotten: the draft now wins
+
+
+def test_the_drafts_gain_is_kept_apart_per_offer_of_the_text_sources():
+    """The draft that loses beside a long n-gram match is skipped there, and still runs on a
+    step where the n-gram index offers nothing: each step asks the gain of its own offer."""
+    model = tiny_target("llama")
+    target, draft = TargetModel(model), tiny_draft(model, block_size=8)
+    assert offer_bucket(0.0) == 0 and offer_bucket(0.1) == 1 and offer_bucket(0.5) == 2 and offer_bucket(3.0) == 3
+    repeated, fresh = [5, 6, 7, 8] * 4 + [5, 6, 7], [3, 1, 4, 15, 9, 2, 6, 11]
+
+    @torch.inference_mode()  # as the loop runs it
+    def sources(prompt):  # one request's first step, after what earlier steps taught the gains
+        proposer = tree_proposer(target, draft, verify_cost=lambda n: 1.0, draft_cost=1.0, probe_every=100)
+        proposer.gains[3].observe(2, 2.0, 5, 1.0)  # beside a strong match: 1 token/ms, 5 without the draft
+        proposer.gains[0].observe(3, 2.0, 1, 1.0)  # with no match: 1.5 tokens/ms against 1
+        proposer.start(prompt)
+        ids = torch.tensor([prompt])
+        _, ctx = target.forward(ids[:, :-1], target.new_cache(), proposer.layer_ids)  # (1, T-1, kH)
+        tree = proposer.propose(ctx, ids[0, -1:], len(prompt) - 1, 8)
+        return proposer._offer, {s for node in tree.sources for s in node.split("+")}
+    assert sources(repeated) == (3, {"suffix"})  # the draft lost beside this offer: not run
+    assert sources(fresh) == (0, {"draft"})  # nothing to copy: the draft runs
 
 
 @pytest.mark.parametrize("kind", ["draft", "tree", "suffix", "hybrid"])

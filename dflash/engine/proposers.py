@@ -22,7 +22,7 @@ from dflash.engine.sampling import probabilities, sample
 from dflash.engine.suffix import GlobalSuffixIndex, SuffixIndex
 from dflash.engine.target import TargetModel
 from dflash.engine.timing import NULL_TIMER, NullTimer
-from dflash.engine.tree import TokenTree, TreeBuilder
+from dflash.engine.tree import Candidate, TokenTree, TreeBuilder
 
 if TYPE_CHECKING:
     from dflash.engine.draft import DFlashDraftModel
@@ -171,7 +171,11 @@ class TreeProposer(Proposer):
     also says what the step would have committed without the draft's nodes (its accepted path
     up to the first node only the draft proposed) and what that smaller tree would have cost,
     so `DraftGain` compares tokens per ms with and without the draft; while the draft loses,
-    it runs only as a probe every `probe_every` steps, to notice when it would win again."""
+    it runs only as a probe every `probe_every` steps, to notice when it would win again.
+    That comparison is kept apart per *offer* (`offer_bucket`): what the text sources propose
+    this step, known before the draft would run. The draft that pays when the n-gram index
+    has nothing (it is then the only source) may not pay beside a long, trusted match, so each
+    step asks the gain of its own offer."""
 
     def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
                  max_nodes: int = 24, verify_cost: Callable[[int], float] | None = None, draft_cost: float = 0.0,
@@ -185,8 +189,10 @@ class TreeProposer(Proposer):
         self.calibration = Calibration()
         self.index: SuffixIndex | None = None
         self._last: tuple[TokenTree, dict[str, float]] | None = None
-        self.probe_every, self._skipped = probe_every, 0
-        self.gain = DraftGain()
+        self.probe_every = probe_every
+        self.gains = {offer: DraftGain() for offer in range(len(OFFER_EDGES) + 2)}  # per offer_bucket
+        self._skipped = dict.fromkeys(self.gains, 0)
+        self._offer = 0  # this step's offer bucket
         self._drafted = False
         self._context: torch.Tensor | None = None  # (1, C, kH) context handed over while the draft was skipped
 
@@ -196,7 +202,11 @@ class TreeProposer(Proposer):
     def propose(self, ctx_hidden, last, pos, size, want_conf=False) -> TokenTree:
         depth = size - 1  # the tree's paths may commit at most `size` tokens
         weights = {s: self.calibration.weight(s) for s in ("draft", "suffix", "global")}
-        builder = TreeBuilder()
+        builder, offered = TreeBuilder(), 0.0
+        for source, cands in self._text_candidates(depth):  # the cheap sources first: their offer
+            builder.add_candidates(cands, weights[source])  # decides whether the draft runs
+            offered = max([offered] + [weights[source] * sum(c.scores) for c in cands])
+        self._offer = offer_bucket(offered)
         self._drafted = self.draft is not None and self._draft_pays()
         if ctx_hidden is not None and self._context is not None:  # the loop hands each context over once
             ctx_hidden = torch.cat([self._context, ctx_hidden], dim=1)  # (1, C, kH)
@@ -204,24 +214,37 @@ class TreeProposer(Proposer):
         if self._drafted:
             probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
             builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.ids)
-        if self.use_suffix and self.index is not None:
-            builder.add_candidates(self.index.propose(depth, self.branches), weights["suffix"])
-        if self.global_index is not None and self.index is not None:
-            context = self.index.tail(self.global_index.max_context)
-            builder.add_candidates(self.global_index.propose(context, depth, self.branches), weights["global"])
         tree = builder.build(self._budget(builder.build(self.max_nodes, last.device)), last.device)
         self._last = (tree, weights)
         return tree
 
+    def _text_candidates(self, depth: int) -> list[tuple[str, list[Candidate]]]:
+        """(source, candidates) of the n-gram index of this text and of the shared index."""
+        if self.index is None:
+            return []
+        out = []
+        if self.use_suffix:
+            out.append(("suffix", self.index.propose(depth, self.branches)))
+        if self.global_index is not None:
+            context = self.index.tail(self.global_index.max_context)
+            out.append(("global", self.global_index.propose(context, depth, self.branches)))
+        return out
+
+    @property
+    def gain(self) -> DraftGain:
+        """The draft's gain beside this step's offer."""
+        return self.gains[self._offer]
+
     def _draft_pays(self) -> bool:
-        """Run the draft pass this step? Yes while it wins on tokens per ms (`DraftGain`),
-        and once every `probe_every` skipped steps."""
+        """Run the draft pass this step? Yes while it wins on tokens per ms beside what the
+        text sources offer this step (`DraftGain` of the offer's bucket), and once every
+        `probe_every` skipped steps of that bucket."""
         if self.verify_cost is None or self.gain.pays():
-            self._skipped = 0
+            self._skipped[self._offer] = 0
             return True
-        self._skipped += 1
-        if self._skipped > self.probe_every:
-            self._skipped = 0
+        self._skipped[self._offer] += 1
+        if self._skipped[self._offer] > self.probe_every:
+            self._skipped[self._offer] = 0
             return True
         return False
 
@@ -250,6 +273,17 @@ class TreeProposer(Proposer):
         kept = next((j for j, i in enumerate(path) if own[i]), len(path))  # path length without the draft
         self.gain.observe(1 + len(path), self.draft_cost + self.verify_cost(len(tree) + 1),
                           1 + kept, self.verify_cost(len(tree) - sum(own) + 1))
+
+
+OFFER_EDGES = (0.25, 1.0)  # expected accepted tokens of the text sources' best candidate
+
+
+def offer_bucket(expected: float) -> int:
+    """0: the text sources offer nothing; 1: a weak offer (under 0.25 expected accepted tokens);
+    2: a middling one; 3: at least one expected accepted token."""
+    if expected <= 0:
+        return 0
+    return 1 + sum(expected >= edge for edge in OFFER_EDGES)
 
 
 class DraftGain:
