@@ -1,43 +1,50 @@
 #!/usr/bin/env bash
-# The session-5 recipe comparison (docs/TRAINING.md, "Session 5"): hard-label CE against
-# distillation of the target's top-k distributions, at equal data, steps and CPU, both warm-started
-# from the shipped draft (main4) on data it never saw (data/smollm2-c, its first SHARDS shards).
-# Every step resumes: re-run after an interruption and it continues where it stopped.
+# The recipe comparisons of docs/TRAINING.md: arms that differ in one setting, at equal data,
+# steps and seed, all warm-started from the shipped draft (main4) on data it never saw
+# (data/smollm2-c, its first SHARDS shards). Every step resumes: re-run after an interruption
+# and it continues where it stopped.
 #   1. rebuild the kept responses' features and soft labels by one target prefill each (--topk 32)
-#   2. two fits, same schedule and seed: --distill-weight 0 (hard CE) and $DISTILL
-#   3. tau of each best draft on evaluation prompts (scripts/train_measure_tau.py)
-#   THREADS  torch threads per job; PARALLEL=1 runs the two fits side by side
+#   2. one fit per arm, two at a time (PARALLEL=1), each with THREADS torch threads
+#   3. tau of each arm's best draft on evaluation prompts (scripts/train_measure_tau.py)
+#   4. the held-out curves of all arms in one plot ($PLOT)
+# ARMS: ";"-separated "name=flags", the flags added to the common ones. The default is the
+# session-5 question, hard-label CE against distillation of the target's top-k:
+#   ARMS="hard=--distill-weight 0;distill=--distill-weight 0.5"
+# Session 7 added, against the same hard arm: ARMS="radam=--optimizer radam;gamma4=--gamma 4"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DATA=${DATA:-runs/data/smollm2-c}
 SHARDS=${SHARDS:-8}
 STEPS=${STEPS:-250}
-DISTILL=${DISTILL:-0.5}
 LR=${LR:-2e-4}
 WARMUP=${WARMUP:-0.1}
 THREADS=${THREADS:-1}
 PARALLEL=${PARALLEL:-1}
 START=${START:-dflash/drafts/smollm2-135m-instruct}
+ARMS=${ARMS:-"hard=--distill-weight 0;distill=--distill-weight 0.5"}
+PLOT=${PLOT:-docs/training_distill.png}
 $PY -m dflash.cli train data --out "$DATA" --num-prompts 9000 --first-shard 94 --max-shards $((94 + SHARDS)) \
     --responses data/smollm2-c --threads "$THREADS"
 COMMON="--data $DATA --data-shards $SHARDS --resume --init-from $START --num-layers 2 --loss-vocab draft
-    --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr "$LR" --warmup-frac "$WARMUP" --max-steps $STEPS
+    --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr $LR --warmup-frac $WARMUP --max-steps $STEPS
     --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 --threads $THREADS"
-fit() {  # $1 run name, $2 distill weight
+fit() {  # $1 arm name, $2 its flags
     # shellcheck disable=SC2086
-    $PY -m dflash.cli train fit --out "runs/fit/$1" --distill-weight "$2" $COMMON > "runs/fit/$1.log" 2>&1
+    $PY -m dflash.cli train fit --out "runs/fit/$1" $COMMON $2 > "runs/fit/$1.log" 2>&1
+}
+tau() {  # $1 arm name
+    $PY scripts/train_measure_tau.py "runs/fit/$1/best" --n 5 --tokens 128 --threads "$THREADS" \
+        --json "runs/tau/$1.json" > "runs/tau/$1.log" 2>&1
 }
 mkdir -p runs/fit runs/tau
-if [ "$PARALLEL" = 1 ]; then
-    fit hard 0 & fit distill "$DISTILL" & wait
-else
-    fit hard 0
-    fit distill "$DISTILL"
-fi
-for run in hard distill; do
-    $PY scripts/train_measure_tau.py "runs/fit/$run/best" --n 5 --tokens 128 --threads "$THREADS" \
-        --json "runs/tau/$run.json"
+IFS=';' read -r -a arms <<< "$ARMS"
+names=("${arms[@]%%=*}")
+for job in fit tau; do  # each arm, two at a time with PARALLEL=1
+    for i in "${!arms[@]}"; do
+        if [ $job = fit ]; then fit "${names[$i]}" "${arms[$i]#*=}" & else tau "${names[$i]}" & fi
+        if [ "$PARALLEL" != 1 ] || [ $((i % 2)) = 1 ]; then wait; fi
+    done
+    wait
 done
-$PY -m dflash.cli train plot runs/fit/hard runs/fit/distill --labels "hard CE" "distill $DISTILL" \
-    --out docs/training_distill.png
+$PY -m dflash.cli train plot "${names[@]/#/runs/fit/}" --labels "${names[@]}" --out "$PLOT"

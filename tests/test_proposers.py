@@ -79,6 +79,18 @@ def test_budget_follows_the_cost_model():
     assert {s.proposed for s in steps["dear"]} == {0}  # verifying more than one token never pays
 
 
+def test_a_skipped_draft_pass_is_not_charged_to_the_trees_budget():
+    """The budget maximises (1 + expected accepted) / step time; a step that ran the draft pays
+    its pass whatever the tree's size (so a bigger tree is worth it), one that skipped it does not."""
+    t = torch.tensor
+    tree = TokenTree(t([7, 8, 9]), t([-1, 0, 1]), t([1, 2, 3]), t([0.9, 0.5, 0.1]), ("suffix",) * 3)
+    proposer = TreeProposer(None, verify_cost=lambda n: float(n), draft_cost=50.0)
+    proposer._drafted = False
+    assert proposer._budget(tree) == 0  # 1/1 beats 1.9/2: a plain step
+    proposer._drafted = True
+    assert proposer._budget(tree) == 3  # 2.5/54 beats 1/51: the draft's pass is spent anyway
+
+
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9, top_k=3)],
                          ids=["t1", "topk-topp"])
 def test_sampled_hybrid_tree_follows_the_target_distribution(params):

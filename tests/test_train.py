@@ -147,10 +147,11 @@ def test_no_evaluation_prompt_leaks_into_training():
 
 # ---- training state ------------------------------------------------------------------------
 
-def test_resume_gives_the_same_state(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "radam"])
+def test_resume_gives_the_same_state(tmp_path, optimizer):
     target = tiny_target("llama")
     seqs = make_seqs(target)
-    cfg = fit_cfg(max_steps=6)
+    cfg = fit_cfg(max_steps=6, optimizer=optimizer)
     full = Trainer(cfg, target, seqs, MASK, LAYERS)
     for _ in range(6):
         full.train_step()
@@ -168,6 +169,26 @@ def test_resume_gives_the_same_state(tmp_path):
     s1, s2 = resumed.opt.state_dict()["state"], full.opt.state_dict()["state"]
     assert all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
     assert resumed.sched.get_last_lr() == full.sched.get_last_lr()
+
+
+def test_radam_starts_with_small_steps_where_adamw_moves_every_weight_by_lr():
+    """AdamW's first update is sign-like: about lr on every weight whatever its gradient, the
+    suspected cause of a warm start's early loss of tau; RAdam's first steps are plain momentum
+    steps, as large as the gradient. An unknown optimizer is named."""
+    target = tiny_target("llama")
+    seqs = make_seqs(target)
+    moved = {}
+    for optimizer in ("adamw", "radam"):
+        trainer = Trainer(fit_cfg(max_steps=4, optimizer=optimizer, lr=1e-3, warmup_frac=0.0), target, seqs, MASK,
+                          LAYERS)
+        before = _params(trainer.draft)
+        trainer.train_step()
+        moved[optimizer] = (_params(trainer.draft) - before).abs()
+    assert moved["adamw"].median() > 0.5e-3  # most weights moved by about lr
+    assert moved["radam"].median() < 0.1 * moved["adamw"].median()
+    assert isinstance(Trainer(fit_cfg(optimizer="radam"), target, seqs, MASK, LAYERS).opt, torch.optim.RAdam)
+    with pytest.raises(ValueError, match="unknown optimizer 'sgd'"):
+        Trainer(fit_cfg(optimizer="sgd"), target, seqs, MASK, LAYERS)
 
 
 def test_grad_accumulation_equals_the_combined_batch():

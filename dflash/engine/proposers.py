@@ -253,7 +253,8 @@ class TreeProposer(Proposer):
         if self.verify_cost is None or len(tree) == 0:
             return len(tree)
         gain = torch.cat([tree.scores.new_zeros(1), tree.scores.cumsum(0)]).tolist()  # (N+1,) expected accepted
-        rate = [(1 + g) / (self.draft_cost + self.verify_cost(n + 1)) for n, g in enumerate(gain)]
+        spent = self.draft_cost if self._drafted else 0.0  # a skipped draft pass costs this step nothing
+        rate = [(1 + g) / (spent + self.verify_cost(n + 1)) for n, g in enumerate(gain)]
         return max(range(len(rate)), key=rate.__getitem__)
 
     def commit(self, tokens, path) -> None:

@@ -142,10 +142,18 @@ class Pipeline:
             if not quiet:
                 print("note: no trained draft for this target, using an UNTRAINED random draft: "
                       "output is still exact, but expect tau ~1 and no speedup", file=sys.stderr)
-            return cls(tgt, DFlashDraftModel(cfg).eval(), tokenizer, False, None, spec or SpecSettings())
+            return cls(tgt, DFlashDraftModel(cfg).eval(), tokenizer, False, None, spec or SpecSettings()).warm()
         d = DFlashDraftModel.from_pretrained(draft)
         check_compatible(d.config, tgt)
-        return cls(tgt, d, tokenizer, True, str(draft), spec or SpecSettings())
+        return cls(tgt, d, tokenizer, True, str(draft), spec or SpecSettings()).warm()
+
+    def warm(self) -> "Pipeline":
+        """Measure (or read from the cache) this machine's cost model now, when the settings use
+        one, as the kernels are measured at load: a first request must not pay for it (the first
+        `make demo` on a new machine timed a 2 s measurement as time to first token)."""
+        if self.spec.needs_cost_model and self.block_size() > 1:
+            self.cost_model()
+        return self
 
     @property
     def stop_token_ids(self) -> list[int]:

@@ -27,6 +27,10 @@ class FitConfig:
     max_seq_len: int = 1024
     # optimisation
     lr: float = 6e-4
+    # "adamw"; or "radam": Adam with its adaptive step rectified while the second moments are
+    # still estimated from few steps (plain momentum steps first), for warm starts whose first
+    # AdamW updates, sign-like at about lr per parameter, cost the start's tau
+    optimizer: str = "adamw"
     weight_decay: float = 0.01
     warmup_frac: float = 0.04
     epochs: float = 6.0

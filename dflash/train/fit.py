@@ -96,8 +96,8 @@ class Trainer:
             self.model = torch.nn.parallel.DistributedDataParallel(self.draft)
         decay = [p for n, p in self.draft.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.draft.named_parameters() if p.ndim < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.opt = _optimizer(cfg, [{"params": decay, "weight_decay": cfg.weight_decay},
+                                    {"params": no_decay, "weight_decay": 0.0}])
         self.global_batch = self.world * cfg.batch_size * cfg.grad_accum
         self.steps_per_epoch = max(1, len(self.train_seqs) // self.global_batch)
         self.total_steps = cfg.max_steps or max(1, int(cfg.epochs * self.steps_per_epoch))
@@ -296,6 +296,18 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     if rank == 0:
         trainer.draft.save_pretrained(out / "final")
     return trainer.stats
+
+
+OPTIMIZERS = ("adamw", "radam")
+
+
+def _optimizer(cfg: FitConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    """AdamW, or RAdam with the same decoupled weight decay (`FitConfig.optimizer`)."""
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    if cfg.optimizer == "radam":
+        return torch.optim.RAdam(groups, lr=cfg.lr, betas=(0.9, 0.95), decoupled_weight_decay=True)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
 
 
 def _score_warm_start(trainer: Trainer, evaluator, out: Path, metrics: Path, best: float, say) -> float:
