@@ -12,8 +12,10 @@ import httpx
 import pytest
 from server_support import MODEL, ServeProcess, save_tiny_model
 
-CONTEXT = 1024
-MAX_TOKENS = 800  # a second or more of generation: the stream outlasts the probes below
+CONTEXT = 4096
+# seconds of generation, so the stream outlasts the probes below: plain decoding (block 1), one
+# target pass a token (a tiny model's trees copy its repetitive text hundreds of tokens a second)
+MAX_TOKENS = 4000
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def _first_refusal(url: str, limit_s: float = 30) -> httpx.Response:
 
 def test_sigterm_drains_with_503s_then_exits(tiny_folder):
     with ServeProcess("--target", str(tiny_folder), "--draft", "random", "--model-name", MODEL,
-                      "--shutdown-grace", "300") as s:
+                      "--block-size", "1", "--shutdown-grace", "300") as s:
         body = {"prompt": "hello", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=300) as r:
