@@ -198,3 +198,40 @@ def test_block_size_one_is_plain_decoding_whatever_proposer_is_named(kind):
     steps = list(gen.stream_generate(draft, target, ids, 12, block_size=1, proposer=kind))
     assert [t for s in steps for t in s.tokens] == hf_greedy(model, ids, 12)[0, 4:].tolist()
     assert all(s.proposed == 0 for s in steps)
+
+
+def test_a_pipelines_trees_carry_what_they_learned_to_the_next_request():
+    """Each request's tree proposer gets the pipeline's `TreeState` for its kind and decoding
+    mode: the draft pass's measured time, the gains per offer and the calibration of earlier
+    requests (the calibration faded by `carry` as a new request begins); output stays exact."""
+    from dflash.engine.costmodel import CostModel
+    from dflash.text.pipeline import Pipeline
+
+    model = tiny_target("llama")
+    flat = CostModel(ns=[1, 32], verify=[10.0, 10.0], contexts=[256], context_ns=[1], context_verify=[[10.0]],
+                     rest_ns=[1], rest=[0.0], draft_blocks=[2, 16], draft=[1.0, 1.0])
+    pipe = Pipeline(TargetModel(model), tiny_draft(model, block_size=8), None, False, _cost_model=flat)
+    ids = torch.tensor([[2, 4, 6, 8, 2, 4, 6]])
+    out = [t for s in pipe.stream(ids, 24, stop_token_ids=[]) for t in s.tokens]
+    assert out == hf_greedy(model, ids, 24)[0, 7:].tolist()
+    state = pipe.tree_state("hybrid", SamplingParams())
+    assert state.draft_ms is not None and state.draft_ms > 0  # the draft's passes were timed
+    assert sum(g.sums[1] for g in state.gains.values()) > 0  # and weighed against the tree without them
+    claimed = dict(state.calibration.claimed)
+    assert claimed.get("draft", 0) > 0
+    second = pipe.stream(ids, 24, stop_token_ids=[])
+    next(second)  # the prefill step: the new request's proposer has begun
+    assert state.calibration.claimed == pytest.approx({s: state.carry * v for s, v in claimed.items()})
+    assert pipe.tree_state("hybrid", SamplingParams(1.0)) is not state  # sampled requests learn apart
+    assert pipe.tree_state("suffix", SamplingParams()) is not state
+
+
+def test_the_draft_pass_is_charged_at_its_measured_time():
+    """Until a pass is timed the cost model's figure stands; then a running mean of the timed
+    passes, where one pass over 4x the estimate (a warm-up, a pause) counts as 4x."""
+    proposer = TreeProposer(None, verify_cost=lambda n: 1.0, draft_cost=5.0)
+    assert proposer.draft_cost == 5.0
+    proposer.state.observe_draft_ms(100.0, proposer.draft_cost)
+    assert proposer.draft_cost == 20.0
+    proposer.state.observe_draft_ms(5.0, proposer.draft_cost)
+    assert proposer.draft_cost == pytest.approx(0.8 * 20.0 + 0.2 * 5.0)

@@ -18,6 +18,7 @@ import torch
 from dflash.bench.stats import Record
 from dflash.engine.loop import DraftHead, DraftProposer, stream_generate
 from dflash.engine.policy import AdaptivePolicy
+from dflash.engine.proposers import build_proposer
 from dflash.engine.stats import SpecStats
 from dflash.engine.sampling import SamplingParams
 
@@ -128,7 +129,11 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
             if id(pipe) not in costs:
                 costs[id(pipe)] = (settings.cost_source or _measured_costs)(pipe)
             cost = costs[id(pipe)]
-            proposer = proposer_kind or proposer
+            if proposer_kind is not None:  # trees carry what they learned from request to request
+                mask_id = pipe.draft.config.mask_token_id if pipe.draft is not None else None
+                proposer = build_proposer(proposer_kind, pipe.draft, pipe.target, params, mask_id, gen,
+                                          cost_model=cost, block_size=block_size,
+                                          state=pipe.tree_state(proposer_kind, params))
             policy = AdaptivePolicy(cost, block_size) if adaptive else None
         tokens, steps, ttft, finish, stats = [], [], 0.0, "length", SpecStats()
         with PeakMemory() as mem:

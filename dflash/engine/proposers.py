@@ -12,7 +12,8 @@ A proposer sees only the past, so the verdict keeps output exact whatever it pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -150,6 +151,11 @@ class Calibration:
         self.claimed: dict[str, float] = {}
         self.prior = prior
 
+    def fade(self, keep: float) -> None:
+        """Scale what was observed by `keep`: older evidence counts less than new."""
+        self.accepted = {s: keep * v for s, v in self.accepted.items()}
+        self.claimed = {s: keep * v for s, v in self.claimed.items()}
+
     def weight(self, source: str) -> float:
         return (self.accepted.get(source, 0.0) + self.prior) / (self.claimed.get(source, 0.0) + self.prior)
 
@@ -175,29 +181,46 @@ class TreeProposer(Proposer):
     That comparison is kept apart per *offer* (`offer_bucket`): what the text sources propose
     this step, known before the draft would run. The draft that pays when the n-gram index
     has nothing (it is then the only source) may not pay beside a long, trusted match, so each
-    step asks the gain of its own offer."""
+    step asks the gain of its own offer. The draft pass is charged at its measured time
+    (the pass, its softmax and its nodes' insertion, timed each drafted step; `draft_cost`,
+    the cost model's figure, until then). What it learns lives in a `TreeState`: pass one a
+    pipeline keeps, and a request starts from what earlier ones learned."""
 
     def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
                  max_nodes: int = 24, verify_cost: Callable[[int], float] | None = None, draft_cost: float = 0.0,
-                 global_index: GlobalSuffixIndex | None = None, branches: int = 4, probe_every: int = 8):
+                 global_index: GlobalSuffixIndex | None = None, branches: int = 4, probe_every: int = 8,
+                 state: TreeState | None = None):
         if draft is None and not suffix and global_index is None:
             raise ValueError("a tree proposer needs a source: the draft, the suffix index or a global index")
         self.draft, self.use_suffix, self.global_index = draft, suffix, global_index
         self.top_k, self.max_nodes, self.branches = top_k, max_nodes, branches
-        self.verify_cost, self.draft_cost = verify_cost, draft_cost
+        self.verify_cost, self._draft_cost = verify_cost, draft_cost
         self.layer_ids = draft.layer_ids if draft is not None else None
-        self.calibration = Calibration()
+        self.state = state if state is not None else TreeState()
         self.index: SuffixIndex | None = None
         self._last: tuple[TokenTree, dict[str, float]] | None = None
         self.probe_every = probe_every
-        self.gains = {offer: DraftGain() for offer in range(len(OFFER_EDGES) + 2)}  # per offer_bucket
-        self._skipped = dict.fromkeys(self.gains, 0)
         self._offer = 0  # this step's offer bucket
         self._drafted = False
         self._context: torch.Tensor | None = None  # (1, C, kH) context handed over while the draft was skipped
 
     def start(self, prompt: Sequence[int]) -> None:
         self.index = SuffixIndex(prompt)
+        self.state.begin_request()
+
+    @property
+    def calibration(self) -> Calibration:
+        return self.state.calibration
+
+    @property
+    def gains(self) -> dict[int, DraftGain]:
+        """The draft's gain per offer bucket (`offer_bucket`)."""
+        return self.state.gains
+
+    @property
+    def draft_cost(self) -> float:
+        """The draft pass's cost in ms: as measured in this state's steps, else the cost model's."""
+        return self._draft_cost if self.state.draft_ms is None else self.state.draft_ms
 
     def propose(self, ctx_hidden, last, pos, size, want_conf=False) -> TokenTree:
         depth = size - 1  # the tree's paths may commit at most `size` tokens
@@ -212,8 +235,10 @@ class TreeProposer(Proposer):
             ctx_hidden = torch.cat([self._context, ctx_hidden], dim=1)  # (1, C, kH)
         self._context = None if self._drafted else ctx_hidden
         if self._drafted:
+            start = time.perf_counter()
             probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
             builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.ids)
+            self.state.observe_draft_ms((time.perf_counter() - start) * 1e3, self.draft_cost)
         tree = builder.build(self._budget(builder.build(self.max_nodes, last.device)), last.device)
         self._last = (tree, weights)
         return tree
@@ -239,12 +264,13 @@ class TreeProposer(Proposer):
         """Run the draft pass this step? Yes while it wins on tokens per ms beside what the
         text sources offer this step (`DraftGain` of the offer's bucket), and once every
         `probe_every` skipped steps of that bucket."""
+        skipped = self.state.skipped
         if self.verify_cost is None or self.gain.pays():
-            self._skipped[self._offer] = 0
+            skipped[self._offer] = 0
             return True
-        self._skipped[self._offer] += 1
-        if self._skipped[self._offer] > self.probe_every:
-            self._skipped[self._offer] = 0
+        skipped[self._offer] += 1
+        if skipped[self._offer] > self.probe_every:
+            skipped[self._offer] = 0
             return True
         return False
 
@@ -304,17 +330,43 @@ class DraftGain:
         return ms == 0 or tok * ms0 >= tok0 * ms
 
 
+@dataclass
+class TreeState:
+    """What a tree proposer learns while it runs: each source's calibration, the draft's gain
+    per offer bucket (and the skipped steps since its last probe), the draft pass's measured
+    time. A pipeline keeps one per proposer kind and decoding mode and hands it to each
+    request's proposer, so a short answer (a 100-token function) does not end before its
+    proposer has learned what the requests before it already knew; each new request fades
+    the calibration's evidence by `carry`, so it weighs less than what this request shows."""
+    calibration: Calibration = field(default_factory=Calibration)
+    gains: dict[int, DraftGain] = field(default_factory=lambda: {o: DraftGain() for o in range(len(OFFER_EDGES) + 2)})
+    skipped: dict[int, int] = field(default_factory=lambda: dict.fromkeys(range(len(OFFER_EDGES) + 2), 0))
+    draft_ms: float | None = None  # running mean of the timed draft passes; None: none timed yet
+    carry: float = 0.5
+    decay: float = 0.8  # of the running mean of draft_ms
+
+    def begin_request(self) -> None:
+        self.calibration.fade(self.carry)
+
+    def observe_draft_ms(self, ms: float, current: float) -> None:
+        """One timed draft pass; a pass over 4x the `current` estimate (a first call's warm-up,
+        a pause of the machine) counts as 4x."""
+        ms = min(ms, 4 * current) if current > 0 else ms
+        self.draft_ms = ms if self.draft_ms is None else self.decay * self.draft_ms + (1 - self.decay) * ms
+
+
 PROPOSERS = ("draft", "tree", "suffix", "hybrid")
 
 
 def build_proposer(kind: str, draft: DFlashDraftModel | None, target: TargetModel, params: SamplingParams,
                    mask_id: int | None, generator: torch.Generator | None = None, window: int | None = None,
                    timer: NullTimer = NULL_TIMER, cost_model=None, block_size: int = 16,
-                   global_index: GlobalSuffixIndex | None = None) -> Proposer:
+                   global_index: GlobalSuffixIndex | None = None, state: TreeState | None = None) -> Proposer:
     """A proposer by name: "draft" (the DFlash draft's chain), "tree" (a tree over the draft's
     top-k), "suffix" (n-gram matches of the prompt and the text so far, no draft), "hybrid"
     (both in one tree). `cost_model` (engine/costmodel.py) sizes each tree by expected tokens
-    per second; without one a tree keeps its fixed node budget."""
+    per second; without one a tree keeps its fixed node budget. `state`: a tree's learned state
+    carried over from earlier requests (`TreeState`; None: a fresh one)."""
     if kind not in PROPOSERS:
         raise ValueError(f"unknown proposer {kind!r}: use one of {', '.join(PROPOSERS)}")
     if draft is None and kind != "suffix":
@@ -325,4 +377,4 @@ def build_proposer(kind: str, draft: DFlashDraftModel | None, target: TargetMode
     verify_cost = None if cost_model is None else cost_model.verify_ms
     draft_cost = 0.0 if cost_model is None or kind == "suffix" else cost_model.draft_ms(block_size)
     return TreeProposer(drafter if kind != "suffix" else None, suffix=kind != "tree", verify_cost=verify_cost,
-                        draft_cost=draft_cost, global_index=global_index)
+                        draft_cost=draft_cost, global_index=global_index, state=state)

@@ -15,7 +15,7 @@ from dflash.engine.config import DFlashConfig
 from dflash.engine.draft import DFlashDraftModel
 from dflash.engine.loop import Step, stream_generate
 from dflash.engine.policy import AdaptivePolicy
-from dflash.engine.proposers import PROPOSERS, build_proposer
+from dflash.engine.proposers import PROPOSERS, TreeState, build_proposer
 from dflash.engine.request import SamplingParams
 from dflash.engine.suffix import GlobalSuffixIndex
 from dflash.engine.target import TargetModel, check_compatible
@@ -76,6 +76,7 @@ class Pipeline:
     spec: SpecSettings = field(default_factory=SpecSettings)
     _cost_model: object = field(default=None, repr=False)
     _shared: GlobalSuffixIndex | None = field(default=None, repr=False)
+    _tree_states: dict[tuple[str, bool], TreeState] = field(default_factory=dict, repr=False)
 
     def block_size(self, spec: SpecSettings | None = None) -> int:
         spec = spec or self.spec
@@ -105,11 +106,17 @@ class Pipeline:
             proposer = build_proposer(spec.proposer, self.draft, self.target, params,
                                       self.draft.config.mask_token_id if self.draft is not None else None,
                                       generator, cost_model=cost, block_size=block,
-                                      global_index=self.shared_index() if spec.shared_suffix else None)
+                                      global_index=self.shared_index() if spec.shared_suffix else None,
+                                      state=self.tree_state(spec.proposer, params))
         stops = self.stop_token_ids if stop_token_ids is None else stop_token_ids
         return stream_generate(self.draft, self.target, input_ids, max_new_tokens, stops, params,
                                block, None, generator, draft_threshold=spec.draft_threshold, proposer=proposer,
                                policy=policy, cost_model=cost)
+
+    def tree_state(self, kind: str, params: SamplingParams) -> TreeState:
+        """What this pipeline's `kind` trees learned in earlier requests (greedy and sampled
+        requests apart: they accept differently), handed to the next request's proposer."""
+        return self._tree_states.setdefault((kind, params.greedy), TreeState())
 
     def shared_index(self) -> GlobalSuffixIndex:
         """Earlier responses of this pipeline, for the n-gram source (bounded in memory)."""
