@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The recipe comparisons of docs/TRAINING.md: arms that differ in one setting, at equal data,
-# steps and seed, all warm-started from the shipped draft (main4) on data it never saw
-# (data/smollm2-c, its first SHARDS shards). Every step resumes: re-run after an interruption
+# steps and seed, all warm-started from START (default: the shipped draft; sessions 5 and 7
+# started from main4, which stage 3 of scripts/train_smollm2.sh rebuilds: START=runs/fit/main4/best)
+# on data it never saw (data/smollm2-c, its first SHARDS shards; session 8 ships the gamma-4
+# arm trained on all of them, so a new comparison needs new data). Every step resumes: re-run after an interruption
 # and it continues where it stopped.
 #   1. rebuild the kept responses' features and soft labels by one target prefill each (--topk 32)
 #   2. one fit per arm, two at a time (PARALLEL=1), each with THREADS torch threads

@@ -8,9 +8,13 @@
 #   stage 2 (session 3, run main3): all 47 shards (3 000 prompts), a 500-step cosine at lr 5e-4
 #            warm-started from stage 1's best
 #   stage 3 (session 4, run main4): 47 new shards (prompts 3 008-5 999 of a 6 000-prompt list, in
-#            their own folder), warm-started from stage 2's best; this is the shipped draft. Its
+#            their own folder), warm-started from stage 2's best (shipped in sessions 4-7). Its
 #            responses are committed in data/smollm2-b, so this stage rebuilds them by one target
 #            prefill each instead of regenerating them
+#   stage 4 (session 8, run gamma4): the 47 shards of data/smollm2-c (445 K tokens main4 never
+#            saw, rebuilt by prefill), warm-started from stage 3's best (the session-8 run started
+#            from its shipped fp16 copy, dflash/drafts/ at commit f2e3b61), 500 steps at lr 5e-4 with
+#            gamma 4 (session 7's best arm, docs/TRAINING.md); this is the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +24,8 @@ RUN1=${RUN1:-runs/fit/main2}
 RUN2=${RUN2:-runs/fit/main3}
 DATA3=${DATA3:-runs/data/smollm2-b}
 RUN3=${RUN3:-runs/fit/main4}
+DATA4=${DATA4:-runs/data/smollm2-c}
+RUN4=${RUN4:-runs/fit/gamma4}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -36,6 +42,13 @@ $PY -m dflash.cli train data --out "$DATA3" --num-prompts 6000 --first-shard 47 
 # shellcheck disable=SC2086
 $PY -m dflash.cli train fit --data "$DATA3" --out "$RUN3" --init-from "$RUN2/best" --lr 5e-4 --max-steps 800 \
     $COMMON
-$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" --labels main2 main3 main4 --out docs/training_curve.png
-$PY -m dflash.cli train ship "$RUN3" --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/main3/best (stage 2)"}'
+$PY -m dflash.cli train data --out "$DATA4" --num-prompts 9000 --first-shard 94 --max-shards 141 \
+    --responses data/smollm2-c --threads "$THREADS"
+$PY -m dflash.cli train fit --data "$DATA4" --data-shards 47 --out "$RUN4" --resume --init-from "$RUN3/best" \
+    --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr 5e-4 \
+    --warmup-frac 0.04 --max-steps 500 --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 \
+    --gamma 4 --threads "$THREADS"
+$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" --labels main2 main3 main4 gamma4 \
+    --out docs/training_curve.png
+$PY -m dflash.cli train ship "$RUN4" --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/main4/best (stage 3)"}'
