@@ -303,6 +303,7 @@ class TreeProposer(Proposer):
 
 
 OFFER_EDGES = (0.25, 1.0)  # expected accepted tokens of the text sources' best candidate
+OFFERS = range(len(OFFER_EDGES) + 2)  # the buckets `offer_bucket` returns
 
 
 def offer_bucket(expected: float) -> int:
@@ -339,8 +340,8 @@ class TreeState:
     proposer has learned what the requests before it already knew; each new request fades
     the calibration's evidence by `carry`, so it weighs less than what this request shows."""
     calibration: Calibration = field(default_factory=Calibration)
-    gains: dict[int, DraftGain] = field(default_factory=lambda: {o: DraftGain() for o in range(len(OFFER_EDGES) + 2)})
-    skipped: dict[int, int] = field(default_factory=lambda: dict.fromkeys(range(len(OFFER_EDGES) + 2), 0))
+    gains: dict[int, DraftGain] = field(default_factory=lambda: {o: DraftGain() for o in OFFERS})
+    skipped: dict[int, int] = field(default_factory=lambda: dict.fromkeys(OFFERS, 0))
     draft_ms: float | None = None  # running mean of the timed draft passes; None: none timed yet
     carry: float = 0.5
     decay: float = 0.8  # of the running mean of draft_ms
