@@ -127,6 +127,35 @@ def test_a_longer_code_prompt_list_keeps_the_shorter_one_as_its_prefix():
     assert any(task in long[2500][1] for task in MORE_TASKS) and not set(TASKS) & set(MORE_TASKS)
 
 
+def test_a_prompt_list_leaves_out_the_lists_of_earlier_data(tmp_path):
+    """New data must not repeat prompts an earlier draft trained on: with exclude_lists, the
+    prompts of those folders' lists (rebuilt from their data_config.json, or read from their
+    prompts.jsonl) are skipped and the list still has its size."""
+    import json
+    from collections import Counter
+    from dataclasses import asdict
+
+    from dflash.text import prompts as P
+    from dflash.train.data import DataConfig, build_prompts
+
+    old = DataConfig(num_prompts=40, mix={"code": 1.0})
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "data_config.json").write_text(json.dumps(asdict(old)))
+    first = build_prompts(old)
+    mix = {"code": 0.5, "docstring": 0.5}
+    again = build_prompts(DataConfig(num_prompts=40, mix=mix, exclude_lists=[str(tmp_path / "b")]))
+    texts = lambda rows: {P.normalize(r["content"]) for r in rows}  # noqa: E731
+    # the mix holds among the prompts left: the excluded code prompts do not hand their share to the others
+    assert Counter(r["dataset"] for r in again) == {"code": 20, "docstring": 20}
+    assert not texts(first) & texts(again)
+    (tmp_path / "c").mkdir()  # a folder with its frozen list: that list is what is left out
+    (tmp_path / "c" / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in again[:5]))
+    third = build_prompts(DataConfig(num_prompts=40, mix=mix, exclude_lists=[str(tmp_path / "c")]))
+    assert len(third) == 40 and not texts(again[:5]) & texts(third) and texts(first) & texts(third)
+    with pytest.raises(DataError, match="nowhere"):
+        build_prompts(DataConfig(num_prompts=4, mix=mix, exclude_lists=[str(tmp_path / "nowhere")]))
+
+
 @pytest.mark.slow
 def test_no_evaluation_prompt_leaks_into_training():
     from dflash.text import prompts as P

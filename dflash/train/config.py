@@ -88,6 +88,10 @@ class DataConfig:
     seed: int = 0
     max_shards: int | None = None  # stop after this many shards exist (None: all)
     first_shard: int = 0  # generate only shards from this index on (a later part of the prompt list)
+    # data folders (each with its data_config.json) whose whole prompt lists stay out of this one:
+    # the prompts earlier drafts trained on, e.g. ["data/smollm2-b", "data/smollm2-c"]; a source
+    # draws as many more candidates as the lists hold of it, so the mix keeps its size
+    exclude_lists: list[str] = field(default_factory=list)
     # a folder of shard-N.jsonl kept from an earlier run (e.g. committed): those shards are
     # rebuilt by one target prefill per sequence instead of being regenerated
     responses: str | None = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     from dflash.text import prompts as P
     from dflash.train.code_prompts import code_prompts, docstring_prompts
 
-    want = {k: int(round(cfg.num_prompts * w)) + 8 for k, w in cfg.mix.items() if w > 0}
+    excluded = excluded_prompts(cfg.exclude_lists)  # normalised text -> source
+    extra = Counter(excluded.values())
+    want = {k: int(round(cfg.num_prompts * w)) + 8 + extra[k] for k, w in cfg.mix.items() if w > 0}
     _check_sources(set(want), "mix")
     pools: dict[str, list[tuple[str, str]]] = {}
     if "math" in want:
@@ -52,6 +55,8 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
         rows = P.sharegpt(split="train")
         rng = np.random.default_rng(cfg.seed)
         pools["sharegpt"] = [(rows[i].id, rows[i].content) for i in rng.permutation(len(rows))[: want["sharegpt"] * 2]]
+    # the earlier lists' prompts leave the pools first, so the mix applies to what is left
+    pools = {k: [(pid, text) for pid, text in pool if P.normalize(text) not in excluded] for k, pool in pools.items()}
     evals = P.eval_texts()
     seen: set[str] = set()
     out: list[dict] = []
@@ -70,6 +75,25 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
         seen.add(key)
         out.append({"id": pid, "dataset": k, "content": text})
     check_no_leaks(out)
+    return out
+
+
+def excluded_prompts(folders: list[str]) -> dict[str, str]:
+    """Normalised text -> source of every prompt on the lists of the data folders `folders`
+    (their prompts.jsonl, or the list their data_config.json builds when only the responses
+    were kept): prompts some draft already trained on, which a new list leaves out."""
+    from dflash.text import prompts as P
+
+    out: dict[str, str] = {}
+    for folder in map(Path, folders):
+        try:
+            if (folder / "prompts.jsonl").exists():
+                rows = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines() if line.strip()]
+            else:
+                rows = build_prompts(DataConfig(**_read_config(folder / "data_config.json")))
+        except (OSError, ValueError, TypeError) as e:
+            raise DataError(f"exclude_lists: cannot read the prompt list of {folder} ({e})") from None
+        out.update((P.normalize(r["content"]), r["dataset"]) for r in rows)
     return out
 
 
