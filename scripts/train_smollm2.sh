@@ -14,7 +14,10 @@
 #   stage 4 (session 8, run gamma4): the 47 shards of data/smollm2-c (445 K tokens main4 never
 #            saw, rebuilt by prefill), warm-started from stage 3's best (the session-8 run started
 #            from its shipped fp16 copy, dflash/drafts/ at commit f2e3b61), 500 steps at lr 5e-4 with
-#            gamma 4 (session 7's best arm, docs/TRAINING.md); this is the shipped draft
+#            gamma 4 (session 7's best arm, docs/TRAINING.md); shipped in session 8
+#   stage 5 (session 9, run d5): the 54 shards of data/smollm2-d (679 K tokens with HumanEval-shaped
+#            docstring prompts and 448-token math/code answers, rebuilt by prefill), warm-started
+#            from stage 4's best, the same 500 steps at lr 5e-4 with gamma 4; this is the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +29,8 @@ DATA3=${DATA3:-runs/data/smollm2-b}
 RUN3=${RUN3:-runs/fit/main4}
 DATA4=${DATA4:-runs/data/smollm2-c}
 RUN4=${RUN4:-runs/fit/gamma4}
+DATA5=${DATA5:-runs/data/smollm2-d}
+RUN5=${RUN5:-runs/fit/d5}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -44,11 +49,17 @@ $PY -m dflash.cli train fit --data "$DATA3" --out "$RUN3" --init-from "$RUN2/bes
     $COMMON
 $PY -m dflash.cli train data --out "$DATA4" --num-prompts 9000 --first-shard 94 --max-shards 141 \
     --responses data/smollm2-c --threads "$THREADS"
-$PY -m dflash.cli train fit --data "$DATA4" --data-shards 47 --out "$RUN4" --resume --init-from "$RUN3/best" \
-    --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr 5e-4 \
-    --warmup-frac 0.04 --max-steps 500 --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 \
-    --gamma 4 --threads "$THREADS"
-$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" --labels main2 main3 main4 gamma4 \
+warm() {  # $1 run, $2 data folder, $3 warm start: stages 4 and 5, 500 steps at lr 5e-4 with gamma 4
+    $PY -m dflash.cli train fit --data "$2" --out "$1" --resume --init-from "$3" \
+        --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr 5e-4 \
+        --warmup-frac 0.04 --max-steps 500 --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 \
+        --gamma 4 --threads "$THREADS"
+}
+warm "$RUN4" "$DATA4" "$RUN3/best"
+$PY -m dflash.cli train data --config data/smollm2-d/data_config.json --out "$DATA5" --responses data/smollm2-d \
+    --threads "$THREADS"
+warm "$RUN5" "$DATA5" "$RUN4/best"
+$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" --labels main2 main3 main4 gamma4 d5 \
     --out docs/training_curve.png
-$PY -m dflash.cli train ship "$RUN4" --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/main4/best (stage 3)"}'
+$PY -m dflash.cli train ship "$RUN5" --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/gamma4/best (stage 4)"}'
