@@ -220,6 +220,24 @@ def test_radam_starts_with_small_steps_where_adamw_moves_every_weight_by_lr():
         Trainer(fit_cfg(optimizer="sgd"), target, seqs, MASK, LAYERS)
 
 
+def test_fit_names_every_bad_setting_before_loading_anything(tmp_path, capsys):
+    """A typo in `dflash train fit` fails at once with every problem named (exit 2), before the
+    target or minutes of features load: the data folder here does not even exist."""
+    from dflash.cli.commands import main
+    from dflash.train.config import FitConfig
+
+    rc = main(["train", "fit", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run"),
+               "--optimizer", "sgd", "--loss-vocab", "draft", "--gamma", "0", "--block-size", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "run").exists()
+    for message in ("unknown optimizer 'sgd'", "loss_vocab 'draft' needs draft_vocab", "gamma must be > 0",
+                    "block_size must be >= 2"):
+        assert message in err
+    FitConfig().check()  # the defaults are valid
+    with pytest.raises(ValueError, match="distill_weight must be in"):
+        FitConfig(distill_weight=1.5).check()
+
+
 def test_grad_accumulation_equals_the_combined_batch():
     target = tiny_target("llama")
     seqs = make_seqs(target, n=8)

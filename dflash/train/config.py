@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OPTIMIZERS = ("adamw", "radam")
+LOSS_VOCABS = ("full", "sampled", "draft", "data")
+INITS = ("random", "target")
+
 
 @dataclass
 class FitConfig:
@@ -62,6 +66,33 @@ class FitConfig:
     log_every: int = 10
     backend: str | None = None  # torch.distributed backend under torchrun; None: gloo on CPU, nccl on GPU
     device: str | None = None  # None: cuda if available, else cpu
+
+    def check(self) -> None:
+        """Raise ValueError naming every setting that cannot work, before a model or data loads
+        (`dflash train fit` calls it first, so a typo costs no minutes of loading)."""
+        problems = []
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+        if self.loss_vocab not in LOSS_VOCABS:
+            problems.append(f"loss_vocab must be one of {', '.join(LOSS_VOCABS)}, got {self.loss_vocab!r}")
+        elif self.loss_vocab == "draft" and not self.draft_vocab:
+            problems.append("loss_vocab 'draft' needs draft_vocab (the number of ids the draft proposes from)")
+        if self.init not in INITS:
+            problems.append(f"init must be one of {', '.join(INITS)}, got {self.init!r}")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            problems.append(f"distill_weight must be in [0, 1], got {self.distill_weight}")
+        if not 0.0 <= self.heldout_frac < 1.0:
+            problems.append(f"heldout_frac must be in [0, 1), got {self.heldout_frac}")
+        for name in ("gamma", "lr"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("block_size", "anchors_per_seq", "batch_size", "grad_accum", "num_layers", "threads"):
+            if getattr(self, name) < (2 if name == "block_size" else 1):
+                problems.append(f"{name} must be >= {2 if name == 'block_size' else 1}, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            problems.append(f"max_steps must be >= 1, got {self.max_steps}")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 @dataclass

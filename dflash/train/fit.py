@@ -51,6 +51,7 @@ class Trainer:
 
     def __init__(self, cfg: FitConfig, hf_model, seqs: list[Sequence], mask_token_id: int,
                  layer_ids: list[int], tokenizer=None, log=print):
+        cfg.check()
         self.cfg, self.log, self.tokenizer = cfg, log, tokenizer
         self.rank, self.world = _rank_world()
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -71,15 +72,11 @@ class Trainer:
         if cfg.draft_vocab:
             dcfg.draft_vocab = frequent_labels([s.labels[s.prompt_len + 1:] for s in self.train_seqs], cfg.draft_vocab,
                                                always=stop_token_ids(tokenizer) if tokenizer is not None else ())
-        elif cfg.loss_vocab == "draft":
-            raise ValueError("loss_vocab 'draft' needs draft_vocab (the number of ids the draft proposes from)")
         torch.manual_seed(cfg.seed)
         self.draft = DFlashDraftModel(dcfg)
         if cfg.init == "target":
             from dflash.train.init import init_from_target
             init_from_target(self.draft, hf_model)
-        elif cfg.init != "random":
-            raise ValueError(f"init must be 'random' or 'target', got {cfg.init!r}")
         if cfg.init_from:
             self.draft.load_state_dict(DFlashDraftModel.from_pretrained(cfg.init_from).state_dict())
         self.subset = None
@@ -88,8 +85,6 @@ class Trainer:
             self.subset = VocabSubset(self.label_vocab, self.target.info.vocab_size)
         elif cfg.loss_vocab == "draft":
             self.subset = VocabSubset(torch.tensor(dcfg.draft_vocab), self.target.info.vocab_size, drop_missing=True)
-        elif cfg.loss_vocab != "full":
-            raise ValueError(f"loss_vocab must be 'full', 'sampled', 'draft' or 'data', got {cfg.loss_vocab!r}")
         self.draft.to(self.device).train()
         self.model = self.draft
         if self.world > 1:
@@ -241,6 +236,7 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     from dflash.train.data import data_layer_ids, finished_shards, load_sequences
     from dflash.train.evaluate import Evaluator
 
+    cfg.check()
     torch.set_num_threads(cfg.threads)
     _setup_distributed(cfg)
     rank, world = _rank_world()
@@ -298,16 +294,11 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     return trainer.stats
 
 
-OPTIMIZERS = ("adamw", "radam")
-
-
 def _optimizer(cfg: FitConfig, groups: list[dict]) -> torch.optim.Optimizer:
     """AdamW, or RAdam with the same decoupled weight decay (`FitConfig.optimizer`)."""
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     if cfg.optimizer == "radam":
         return torch.optim.RAdam(groups, lr=cfg.lr, betas=(0.9, 0.95), decoupled_weight_decay=True)
-    raise ValueError(f"unknown optimizer {cfg.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
 def _score_warm_start(trainer: Trainer, evaluator, out: Path, metrics: Path, best: float, say) -> float:
