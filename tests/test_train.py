@@ -156,6 +156,27 @@ def test_a_prompt_list_leaves_out_the_lists_of_earlier_data(tmp_path):
         build_prompts(DataConfig(num_prompts=4, mix=mix, exclude_lists=[str(tmp_path / "nowhere")]))
 
 
+def test_a_run_takes_the_prompt_list_kept_beside_its_responses(tmp_path):
+    """Kept responses carry their frozen prompts.jsonl, so a rebuild on another machine (another
+    Python's standard library, other earlier lists to exclude) uses the very list they were
+    written for instead of building one; the run folder gets its own copy."""
+    import json
+
+    from dflash.train.data import DataConfig, load_or_build_prompts
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    rows = [{"id": f"code-{i}", "dataset": "code", "content": f"task {i}"} for i in range(3)]
+    (kept / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = DataConfig(num_prompts=3, mix={"code": 1.0}, responses=str(kept))
+    assert load_or_build_prompts(cfg, out) == rows
+    assert (out / "prompts.jsonl").read_text() == (kept / "prompts.jsonl").read_text()
+    built = load_or_build_prompts(DataConfig(num_prompts=3, mix={"code": 1.0}), tmp_path)  # no kept list: built
+    assert len(built) == 3 and built != rows
+
+
 @pytest.mark.slow
 def test_no_evaluation_prompt_leaks_into_training():
     from dflash.text import prompts as P

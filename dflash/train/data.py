@@ -56,7 +56,8 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
         rng = np.random.default_rng(cfg.seed)
         pools["sharegpt"] = [(rows[i].id, rows[i].content) for i in rng.permutation(len(rows))[: want["sharegpt"] * 2]]
     # the earlier lists' prompts leave the pools first, so the mix applies to what is left
-    pools = {k: [(pid, text) for pid, text in pool if P.normalize(text) not in excluded] for k, pool in pools.items()}
+    pools = {k: [(pid, text) for pid, text in pool if P.normalize(text) not in excluded]
+             for k, pool in pools.items()}
     evals = P.eval_texts()
     seen: set[str] = set()
     out: list[dict] = []
@@ -88,7 +89,8 @@ def excluded_prompts(folders: list[str]) -> dict[str, str]:
     for folder in map(Path, folders):
         try:
             if (folder / "prompts.jsonl").exists():
-                rows = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines() if line.strip()]
+                lines = (folder / "prompts.jsonl").read_text().splitlines()
+                rows = [json.loads(line) for line in lines if line.strip()]
             else:
                 rows = build_prompts(DataConfig(**_read_config(folder / "data_config.json")))
         except (OSError, ValueError, TypeError) as e:
@@ -140,11 +142,18 @@ def sharegpt_conversations(cfg: DataConfig) -> list[dict]:
 
 
 def load_or_build_prompts(cfg: DataConfig, out: Path) -> list[dict]:
+    """The run's frozen prompt list: its own prompts.jsonl, else the one kept beside the
+    `--responses` (the list those responses were written for), else built and frozen."""
     path = out / "prompts.jsonl"
-    if path.exists():
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = sharegpt_conversations(cfg) if cfg.source == "prefill" else build_prompts(cfg)
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+    kept = Path(cfg.responses) / "prompts.jsonl" if cfg.responses else None
+    for source in (path, kept):
+        if source is not None and source.exists():
+            rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+            break
+    else:
+        rows = sharegpt_conversations(cfg) if cfg.source == "prefill" else build_prompts(cfg)
+    if not path.exists():
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
