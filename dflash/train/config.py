@@ -86,9 +86,9 @@ class FitConfig:
         for name in ("gamma", "lr"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("block_size", "anchors_per_seq", "batch_size", "grad_accum", "num_layers", "threads"):
-            if getattr(self, name) < (2 if name == "block_size" else 1):
-                problems.append(f"{name} must be >= {2 if name == 'block_size' else 1}, got {getattr(self, name)}")
+        least = {"block_size": 2, "anchors_per_seq": 1, "batch_size": 1, "grad_accum": 1, "num_layers": 1, "threads": 1}
+        problems += [f"{name} must be >= {low}, got {getattr(self, name)}" for name, low in least.items()
+                     if getattr(self, name) < low]
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps must be >= 1, got {self.max_steps}")
         if problems:

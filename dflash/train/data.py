@@ -89,8 +89,7 @@ def excluded_prompts(folders: list[str]) -> dict[str, str]:
     for folder in map(Path, folders):
         try:
             if (folder / "prompts.jsonl").exists():
-                lines = (folder / "prompts.jsonl").read_text().splitlines()
-                rows = [json.loads(line) for line in lines if line.strip()]
+                rows = read_jsonl(folder / "prompts.jsonl")
             else:
                 rows = build_prompts(DataConfig(**_read_config(folder / "data_config.json")))
         except (OSError, ValueError, TypeError) as e:
@@ -141,6 +140,11 @@ def sharegpt_conversations(cfg: DataConfig) -> list[dict]:
     return out
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file (a prompt list or a shard), blank lines skipped."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def load_or_build_prompts(cfg: DataConfig, out: Path) -> list[dict]:
     """The run's frozen prompt list: its own prompts.jsonl, else the one kept beside the
     `--responses` (the list those responses were written for), else built and frozen."""
@@ -148,7 +152,7 @@ def load_or_build_prompts(cfg: DataConfig, out: Path) -> list[dict]:
     kept = Path(cfg.responses) / "prompts.jsonl" if cfg.responses else None
     for source in (path, kept):
         if source is not None and source.exists():
-            rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+            rows = read_jsonl(source)
             break
     else:
         rows = sharegpt_conversations(cfg) if cfg.source == "prefill" else build_prompts(cfg)
@@ -324,7 +328,7 @@ def _stored_shard(cfg: DataConfig, index: int, chunk: list[dict]) -> list[dict] 
     path = Path(cfg.responses) / f"{shard_name(index)}.jsonl" if cfg.responses else None
     if path is None or not path.exists():
         return None
-    stored = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    stored = read_jsonl(path)
     ids = {r["id"] for r in chunk}
     strangers = [r["id"] for r in stored if r["id"] not in ids]
     if strangers:
@@ -403,7 +407,7 @@ def load_sequences(folder: str | Path, min_response: int = 2, shards: list[int] 
     seqs = []
     for i in shards:
         feats = np.load(folder / f"{shard_name(i)}.feat.npy", mmap_mode="r")
-        rows = [json.loads(line) for line in (folder / f"{shard_name(i)}.jsonl").read_text().splitlines()]
+        rows = read_jsonl(folder / f"{shard_name(i)}.jsonl")
         soft = _load_soft(folder, i, rows)
         for r in rows:
             if len(r["response_ids"]) < min_response:
