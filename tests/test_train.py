@@ -531,6 +531,39 @@ def test_a_shard_counts_only_once_its_jsonl_is_in_place(tmp_path):
     assert seq.tokens.tolist() == [1, 2, 3, 4, 5] and seq.prompt_len == 2 and seq.features.shape == (4, 6)
 
 
+def test_several_data_folders_train_as_one_pool_with_distinct_ids(tmp_path):
+    """`--more-data`: a second folder joins the pool; an id it shares with the first ("a") gets
+    the folder's name in front (the first folder's ids, and so its held-out split, stay as
+    stored), its soft labels stay attached, and folders of other target layers or a folder
+    listed twice are refused by name."""
+    import json
+
+    from dflash.train.config import FitConfig
+    from dflash.train.data import load_pool, write_shard
+    from dflash.train.generator import SoftLabels
+
+    def folder(name, layers, soft):
+        f = tmp_path / name
+        f.mkdir()
+        (f / "data_config.json").write_text(json.dumps({"layer_ids": layers}))
+        rows = [{"id": "a", "dataset": "math", "prompt_ids": [1, 2], "response_ids": [3, 4, 5]}]
+        labels = [SoftLabels(torch.full((3, 2), 7, dtype=torch.int32), torch.zeros(3, 2).half(),
+                             torch.zeros(3).half())] if soft else None
+        write_shard(f, 0, rows, [torch.ones(4, 6)], labels)
+        return str(f)
+
+    first, second, other = folder("d", [0, 2], False), folder("e", [0, 2], True), folder("x", [1, 2], False)
+    seqs, layers = load_pool([first, second], {})
+    assert layers == [0, 2] and [s.id for s in seqs] == ["a", f"{second}/a"]
+    assert seqs[0].soft is None and seqs[1].soft.ids.tolist() == [[7, 7]] * 3
+    with pytest.raises(DataError, match=r"x holds features of target layers \[1, 2\]"):
+        load_pool([first, other], {})
+    with pytest.raises(DataError, match="nowhere is not a data folder"):
+        load_pool([first, str(tmp_path / "nowhere")], {})
+    with pytest.raises(ValueError, match="listed twice"):
+        FitConfig(data=first, more_data=[second, first + "/"]).check()
+
+
 KILL_SCRIPT = textwrap.dedent('''
     import sys, time, torch
     sys.path.insert(0, sys.argv[1])

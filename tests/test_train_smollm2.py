@@ -3,6 +3,7 @@ a shard rebuilt by prefill holds the target's own greedy responses and their fea
 warm start from the shipped draft is scored on it at step 0 and trains."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -54,11 +55,19 @@ def test_a_committed_shard_rebuilds_with_the_targets_greedy_responses_and_featur
 
 
 def test_a_warm_start_from_the_shipped_draft_scores_at_step_0_and_trains(rebuilt, tmp_path):
-    _, out, _ = rebuilt
-    cfg = FitConfig(data=str(out), out=str(tmp_path / "fit"), init_from=str(SHIPPED), num_layers=2,
+    """... on two data folders at once (`more_data`: here a copy of the first), whose shards the
+    checkpoint records for a resume."""
+    _, out, first = rebuilt
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    cfg = FitConfig(data=str(out), more_data=[str(copy)], out=str(tmp_path / "fit"), init_from=str(SHIPPED), num_layers=2,
                     loss_vocab="draft", draft_vocab=8192, batch_size=2, anchors_per_seq=8, max_steps=2,
                     heldout_frac=0.1, eval_every=2, eval_tau_prompts=0, ckpt_every=2, threads=2, lr=1e-5)
-    run_fit(cfg, log=lambda s: None)
+    said = []
+    run_fit(cfg, log=said.append)
+    assert any("from 2 shards of 2 folder(s)" in line for line in said), said
+    state = torch.load(tmp_path / "fit" / "ckpt-0000002" / "trainer.pt", weights_only=False)
+    assert state["data_shards"] == [first] and state["more_data_shards"] == {str(copy): [first]}
     rows = read_metrics(tmp_path / "fit")
     start = rows[0]
     assert start["step"] == 0 and "loss" not in start

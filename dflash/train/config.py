@@ -4,6 +4,7 @@ No torch here: the CLI builds its flags from these dataclasses."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 OPTIMIZERS = ("adamw", "radam")
@@ -14,6 +15,11 @@ INITS = ("random", "target")
 @dataclass
 class FitConfig:
     data: str = "runs/data/smollm2"
+    # further data folders trained on together with `data`, as one pool (their features must
+    # come from the same target layers); their sequence ids get the folder's name as a prefix,
+    # so an id repeated across folders ("code-12") keeps apart, and `data`'s held-out split
+    # (listed first, so evaluated first) stays the one a run on `data` alone scores on
+    more_data: list[str] = field(default_factory=list)
     out: str = "runs/fit/smollm2"
     target: str | None = None
     resume: bool = False
@@ -89,6 +95,8 @@ class FitConfig:
         least = {"block_size": 2, "anchors_per_seq": 1, "batch_size": 1, "grad_accum": 1, "num_layers": 1, "threads": 1}
         problems += [f"{name} must be >= {low}, got {getattr(self, name)}" for name, low in least.items()
                      if getattr(self, name) < low]
+        folders = [os.path.normpath(f) for f in (self.data, *self.more_data)]
+        problems += [f"data folder {f!r} is listed twice" for f in sorted(set(folders)) if folders.count(f) > 1]
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps must be >= 1, got {self.max_steps}")
         if problems:

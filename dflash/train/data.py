@@ -15,6 +15,7 @@ re-run skips finished shards and continues with the first missing one."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -398,8 +399,10 @@ class Sequence:
         return self.tokens if self.label_ids is None else self.label_ids
 
 
-def load_sequences(folder: str | Path, min_response: int = 2, shards: list[int] | None = None) -> list[Sequence]:
-    """The sequences of the finished shards (or of `shards`, as a resumed run recorded)."""
+def load_sequences(folder: str | Path, min_response: int = 2, shards: list[int] | None = None,
+                   id_prefix: str = "") -> list[Sequence]:
+    """The sequences of the finished shards (or of `shards`, as a resumed run recorded), their
+    ids prefixed with `id_prefix`."""
     folder = Path(folder)
     shards = finished_shards(folder) if shards is None else list(shards)
     if not shards:
@@ -415,7 +418,7 @@ def load_sequences(folder: str | Path, min_response: int = 2, shards: list[int] 
             ids = r["prompt_ids"] + r["response_ids"]
             n = len(ids) - 1
             labels = torch.tensor(r["label_ids"]) if "label_ids" in r else None
-            seqs.append(Sequence(r["id"], r["dataset"], torch.tensor(ids), len(r["prompt_ids"]),
+            seqs.append(Sequence(id_prefix + r["id"], r["dataset"], torch.tensor(ids), len(r["prompt_ids"]),
                                  feats[r["offset"]:r["offset"] + n], labels, soft.get(r["id"]) if soft else None))
     return seqs
 
@@ -439,4 +442,24 @@ def _load_soft(folder: Path, index: int, rows: list[dict]) -> dict[str, SoftLabe
 
 
 def data_layer_ids(folder: str | Path) -> list[int]:
-    return json.loads((Path(folder) / "data_config.json").read_text())["layer_ids"]
+    path = Path(folder) / "data_config.json"
+    if not path.exists():
+        raise DataError(f"{folder} is not a data folder (no data_config.json; `dflash train data --out {folder}` "
+                        f"writes one)")
+    return json.loads(path.read_text())["layer_ids"]
+
+
+def load_pool(folders: list[str], shards: dict[str, list[int]]) -> tuple[list[Sequence], list[int]]:
+    """The sequences of several data folders as one training pool, and the target layers their
+    features hold (which must agree). `shards[folder]`: the shards to read (default: all
+    finished). The first folder's ids stay as stored; a later folder's get "<folder>/" in
+    front, so ids repeated across folders stay distinct."""
+    layers = {f: data_layer_ids(f) for f in folders}
+    odd = [f for f in folders if layers[f] != layers[folders[0]]]
+    if odd:
+        raise DataError(f"{odd[0]} holds features of target layers {layers[odd[0]]}, {folders[0]} of "
+                        f"{layers[folders[0]]}: one draft reads one set of layers (rebuild with --layer-ids)")
+    seqs = []
+    for n, f in enumerate(folders):
+        seqs += load_sequences(f, shards=shards.get(f), id_prefix="" if n == 0 else f"{os.path.normpath(f)}/")
+    return seqs, layers[folders[0]]

@@ -233,7 +233,7 @@ def _setup_distributed(cfg: FitConfig) -> None:
 def run_fit(cfg: FitConfig, log=None) -> dict:
     from dflash.text.assets import load_target
     from dflash.text.pipeline import _mask_token
-    from dflash.train.data import data_layer_ids, finished_shards, load_sequences
+    from dflash.train.data import finished_shards, load_pool
     from dflash.train.evaluate import Evaluator
 
     cfg.check()
@@ -245,15 +245,17 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     ckpt = latest_checkpoint(out) if cfg.resume else None
     if ckpt is None and cfg.resume:
         say(f"fit: no checkpoint in {out}; starting fresh")
-    shards = None
-    if ckpt is not None:
-        shards = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False).get("data_shards")
-    if shards is None and cfg.data_shards:
-        shards = finished_shards(Path(cfg.data))[: cfg.data_shards]
+    folders = [cfg.data, *cfg.more_data]
+    # the shards each folder trains on: as a resumed run recorded them, else all finished ones
+    # (the first `data_shards` of `data`)
+    recorded = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False) if ckpt is not None else {}
+    shards = {cfg.data: recorded.get("data_shards"), **recorded.get("more_data_shards", {})}
+    if shards[cfg.data] is None and cfg.data_shards:
+        shards[cfg.data] = finished_shards(Path(cfg.data))[: cfg.data_shards]
+    shards = {f: shards.get(f) if shards.get(f) is not None else finished_shards(Path(f)) for f in folders}
+    seqs, layer_ids = load_pool(folders, shards)
     hf, tok = load_target(cfg.target)
-    seqs = load_sequences(cfg.data, shards=shards)
-    trainer = Trainer(cfg, hf, seqs, _mask_token(tok, TargetModel(hf)), data_layer_ids(cfg.data), tok, say)
-    used_shards = shards if shards is not None else finished_shards(Path(cfg.data))
+    trainer = Trainer(cfg, hf, seqs, _mask_token(tok, TargetModel(hf)), layer_ids, tok, say)
     if ckpt is not None:
         trainer.load(ckpt)
         say(f"fit: resumed {ckpt} at step {trainer.step}")
@@ -262,12 +264,13 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(metrics, trainer.step)
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-    say(f"fit: {len(trainer.train_seqs)} train / {len(trainer.heldout)} held-out sequences from {len(used_shards)} shards, "
+    say(f"fit: {len(trainer.train_seqs)} train / {len(trainer.heldout)} held-out sequences from "
+        f"{sum(len(v) for v in shards.values())} shards of {len(folders)} folder(s), "
         f"{sum(p.numel() for p in trainer.draft.parameters()) / 1e6:.2f}M draft params, "
         f"{trainer.steps_per_epoch} steps/epoch, {trainer.total_steps} steps, world {world}")
     evaluator = Evaluator(trainer, tok) if rank == 0 else None
     best = _best_score(out)
-    extra = {"data_shards": used_shards}
+    extra = {"data_shards": shards[cfg.data], "more_data_shards": {f: shards[f] for f in cfg.more_data}}
     if rank == 0 and trainer.step == 0 and cfg.init_from:  # a warm start's own score on this held-out split
         best = _score_warm_start(trainer, evaluator, out, metrics, best, say)
     while trainer.step < trainer.total_steps:

@@ -90,6 +90,7 @@ def ship(run: str | Path, dest: str | Path, extra: dict | None = None, which: st
         "best_eval": {k: v for k, v in best.items() if k.startswith(("tau", "heldout", "step", "tokens", "cpu_s", "loss"))},
         "last_checkpoint": {"step": state.get("step"), **state.get("stats", {})},
         "data": data_manifest(cfg["data"], state.get("data_shards")),
+        "more_data": [data_manifest(f, state.get("more_data_shards", {}).get(f)) for f in cfg.get("more_data", [])],
         **(extra or {}),
     }
     from dflash.engine.draft import DFlashDraftModel
