@@ -13,7 +13,11 @@
 # session-5 question, hard-label CE against distillation of the target's top-k:
 #   ARMS="hard=--distill-weight 0;distill=--distill-weight 0.5"
 # Session 7 added, against the same hard arm: ARMS="radam=--optimizer radam;gamma4=--gamma 4"
+# DATA_FLAGS: other data than smollm2-c's first SHARDS shards (nothing is rebuilt then; the
+# folders must hold their features already), e.g. session 10's
+#   DATA_FLAGS="--data runs/data/smollm2-d --more-data [\"runs/data/smollm2-e\"]" START=runs/fit/d5/best
 set -euo pipefail
+set -f  # no globbing: DATA_FLAGS may hold a JSON list, which a glob could expand
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DATA=${DATA:-runs/data/smollm2-c}
@@ -26,11 +30,15 @@ PARALLEL=${PARALLEL:-1}
 START=${START:-dflash/drafts/smollm2-135m-instruct}
 ARMS=${ARMS:-"hard=--distill-weight 0;distill=--distill-weight 0.5"}
 PLOT=${PLOT:-docs/training_distill.png}
-$PY -m dflash.cli train data --out "$DATA" --num-prompts 9000 --first-shard 94 --max-shards $((94 + SHARDS)) \
-    --responses data/smollm2-c --threads "$THREADS"
-COMMON="--data $DATA --data-shards $SHARDS --resume --init-from $START --num-layers 2 --loss-vocab draft
+GAMMA=${GAMMA:-7}
+if [ -z "${DATA_FLAGS:-}" ]; then
+    $PY -m dflash.cli train data --out "$DATA" --num-prompts 9000 --first-shard 94 --max-shards $((94 + SHARDS)) \
+        --responses data/smollm2-c --threads "$THREADS"
+    DATA_FLAGS="--data $DATA --data-shards $SHARDS"
+fi
+COMMON="$DATA_FLAGS --resume --init-from $START --num-layers 2 --loss-vocab draft
     --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr $LR --warmup-frac $WARMUP --max-steps $STEPS
-    --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 --threads $THREADS"
+    --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 --gamma $GAMMA --threads $THREADS"
 fit() {  # $1 arm name, $2 its flags
     # shellcheck disable=SC2086
     $PY -m dflash.cli train fit --out "runs/fit/$1" $COMMON $2 > "runs/fit/$1.log" 2>&1

@@ -564,6 +564,34 @@ def test_several_data_folders_train_as_one_pool_with_distinct_ids(tmp_path):
         FitConfig(data=first, more_data=[second, first + "/"]).check()
 
 
+def test_a_warm_start_can_deepen_a_draft_and_proposes_what_the_start_does(tmp_path):
+    """--init-from a 1-layer draft with --num-layers 3: the two new layers start as the identity,
+    so the deeper draft's hidden states equal the start's; training then moves them. A start
+    with more layers than the draft is refused by name."""
+    target = tiny_target("llama")
+    seqs = make_seqs(target)
+    start = Trainer(fit_cfg(), target, seqs, MASK, LAYERS)
+    for _ in range(2):
+        start.train_step()
+    start.draft.save_pretrained(tmp_path / "start")
+    said = []
+    deep = Trainer(fit_cfg(num_layers=3, init_from=str(tmp_path / "start")), target, seqs, MASK, LAYERS,
+                   log=said.append)
+    assert len(deep.draft.layers) == 3 and "deepened by layers.1, layers.2" in said[0]
+    batch = start.make_batch([0, 1], 0)
+    start.draft.eval()
+    deep.draft.eval()
+    with torch.no_grad():
+        ref, got = draft_hidden(start.draft, start.target, batch), draft_hidden(deep.draft, deep.target, batch)
+    assert torch.allclose(got, ref, atol=1e-6)
+    deep.draft.train()
+    deep.train_step()
+    assert int(deep.draft.layers[2].self_attn.o_proj.weight.detach().count_nonzero()) > 0
+    deep.draft.save_pretrained(tmp_path / "deep")
+    with pytest.raises(ValueError, match="has 3 layers, the draft 1"):
+        Trainer(fit_cfg(init_from=str(tmp_path / "deep")), target, seqs, MASK, LAYERS)
+
+
 KILL_SCRIPT = textwrap.dedent('''
     import sys, time, torch
     sys.path.insert(0, sys.argv[1])

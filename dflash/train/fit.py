@@ -78,7 +78,10 @@ class Trainer:
             from dflash.train.init import init_from_target
             init_from_target(self.draft, hf_model)
         if cfg.init_from:
-            self.draft.load_state_dict(DFlashDraftModel.from_pretrained(cfg.init_from).state_dict())
+            from dflash.train.init import init_from_draft
+            grown = init_from_draft(self.draft, DFlashDraftModel.from_pretrained(cfg.init_from), cfg.init_from)
+            if grown:
+                log(f"fit: {cfg.init_from} deepened by {', '.join(grown)} (identity at the start)")
         self.subset = None
         if cfg.loss_vocab in ("data", "sampled"):
             self.label_vocab = torch.cat([s.labels[s.prompt_len + 1:] for s in self.train_seqs]).unique()

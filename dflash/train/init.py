@@ -1,5 +1,6 @@
-"""Draft initialisation: random (the draft's own init) or copied from target decoder layers
-where the shapes match (attention and MLP projections, layer norms, the final norm)."""
+"""Draft initialisation: random (the draft's own init), copied from target decoder layers
+where the shapes match (attention and MLP projections, layer norms, the final norm), or a
+trained draft loaded, and deepened when the new draft has more layers."""
 
 from __future__ import annotations
 
@@ -33,3 +34,25 @@ def init_from_target(draft: DFlashDraftModel, hf_model, layer_ids: list[int] | N
         draft.norm.weight.copy_(norm.weight)
         copied.append("norm.weight")
     return copied
+
+
+@torch.no_grad()
+def init_from_draft(draft: DFlashDraftModel, source: DFlashDraftModel, name: str = "the start") -> list[str]:
+    """Load the trained `source` into `draft`. A source with fewer layers deepens: its layers
+    fill the first ones, and each further layer starts as the identity on the residual stream
+    (its o_proj and down_proj zero, so attention and MLP add nothing): the deeper draft
+    proposes exactly what the source does until training moves it. Returns the new layers."""
+    have, want = len(source.layers), len(draft.layers)
+    if have > want:
+        raise ValueError(f"{name} has {have} layers, the draft {want}: a warm start can add layers, not drop "
+                         f"them (--num-layers {have} or more)")
+    src, dst = source.state_dict(), draft.state_dict()
+    bad = [k for k in src if k not in dst or src[k].shape != dst[k].shape]
+    if bad:
+        raise ValueError(f"{name} does not fit this draft: {bad[0]} is {tuple(src[bad[0]].shape)} there, "
+                         f"{tuple(dst[bad[0]].shape) if bad[0] in dst else 'absent'} here")
+    draft.load_state_dict(src, strict=False)
+    for layer in draft.layers[have:]:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    return [f"layers.{i}" for i in range(have, want)]
