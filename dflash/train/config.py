@@ -16,8 +16,8 @@ INITS = ("random", "target")
 class FitConfig:
     data: str = "runs/data/smollm2"
     # further data folders trained on together with `data`, as one pool (their features must
-    # come from the same target layers); their sequence ids get the folder's name as a prefix,
-    # so an id repeated across folders ("code-12") keeps apart, and `data`'s held-out split
+    # come from the same target layers); their sequence ids get the folder's path in front
+    # ("runs/data/smollm2-e/code-12"), so an id repeated across folders keeps apart, and `data`'s held-out split
     # (listed first, so evaluated first) stays the one a run on `data` alone scores on
     more_data: list[str] = field(default_factory=list)
     out: str = "runs/fit/smollm2"
