@@ -182,11 +182,12 @@ def test_no_evaluation_prompt_leaks_into_training():
     from dflash.text import prompts as P
     from dflash.train.data import DataConfig, build_prompts
 
-    rows = build_prompts(DataConfig(num_prompts=60, mix={"math": 0.4, "code": 0.2, "docstring": 0.1, "sharegpt": 0.3}))
+    rows = build_prompts(DataConfig(num_prompts=60, mix={"math": 0.4, "code": 0.2, "docstring": 0.1, "method": 0.1,
+                                                             "sharegpt": 0.2}))
     evals = P.eval_texts()
     assert rows and not any(P.normalize(r["content"]) in evals for r in rows)
     assert len({P.normalize(r["content"]) for r in rows}) == len(rows)  # deduplicated
-    assert {r["dataset"] for r in rows} == {"math", "code", "docstring", "sharegpt"}
+    assert {r["dataset"] for r in rows} == {"math", "code", "docstring", "method", "sharegpt"}
     assert all(int(r["id"].split("/")[1]) not in P.EVAL_MATH_SEEDS for r in rows if r["dataset"] == "math")
     leak = P.mtbench(limit=1)[0]
     with pytest.raises(DataError):

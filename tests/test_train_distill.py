@@ -223,11 +223,18 @@ def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_pat
         '    c = a + b\n    return c\n\n'
         'def no_doc(a):\n    return a\n\n'
         'def _private(a):\n    """A private helper that is documented at some length here."""\n    return a\n\n'
-        'def long_body(a):\n    """A function with a body far longer than a short task has."""\n' + "    a += 1\n" * 20)
+        'def long_body(a):\n    """A function with a body far longer than a short task has."""\n' + "    a += 1\n" * 20 +
+        'class Box(object):\n    size = 3\n\n    def grow(self, by=1):\n        """Grow the box by `by`, one by default,\n'
+        '        and return the new size."""\n        self.size += by\n        return self.size\n\n'
+        '    def _hidden(self):\n        """A private method is skipped, however well documented."""\n        return 1\n\n'
+        'class _Private:\n    def open(self):\n        """A method of a private class is skipped as well."""\n        return 1\n')
     (tmp_path / "test_mod.py").write_text('def keep2(a):\n    """A function in a test module is skipped too."""\n    return a\n')
     assert docstring_functions(tmp_path) == [
         ("stdlib/pkg.mod.keep", ('def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, '
                                  'and return it."""\n'))]  # the body is never shown
+    assert docstring_functions(tmp_path, methods=True) == [  # in a bare class line, indented as written
+        ("stdlib/pkg.mod.Box.grow", 'class Box:\n\n    def grow(self, by=1):\n        """Grow the box by `by`, one by '
+                                    'default,\n        and return the new size."""\n')]
     rows = docstring_prompts(400)
     assert len(rows) == 400 and rows == docstring_prompts(400) and len({t for _, t in rows}) == 400
     he = P.humaneval()
@@ -239,6 +246,12 @@ def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_pat
     assert not any(d in c for d in docs for c in codes)  # no docstring of a stub is in a HumanEval task
     with pytest.raises(DataError, match="evaluation prompts in the training set"):
         check_no_leaks([{"id": "stdlib/x", "dataset": "docstring", "content": he[3].content}])
+    methods = docstring_prompts(400, methods=True)
+    assert len({t for _, t in methods}) == 400 and not {t for _, t in methods} & {t for _, t in rows}
+    assert all(t.startswith(head + "```python\nclass ") and t.endswith('"""\n```') for _, t in methods)
+    check_no_leaks([{"id": i, "dataset": "method", "content": t} for i, t in methods])
+    docs = [P.normalize(t.split('"""')[1]) for _, t in methods]
+    assert not any(d in c for d in docs for c in codes)
 
 
 def test_a_source_gets_its_own_response_limit(tmp_path):

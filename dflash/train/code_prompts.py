@@ -106,13 +106,14 @@ def code_prompts(n: int = 2000, seed: int = 0) -> list[tuple[str, str]]:
 MAX_BODY_LINES = 12  # "a short body": the statements after the docstring, as ast.unparse writes them
 
 
-def docstring_functions(root: str | Path | None = None) -> list[tuple[str, str]]:
+def docstring_functions(root: str | Path | None = None, methods: bool = False) -> list[tuple[str, str]]:
     """(id, signature + docstring) of every module-level function in the Python standard
     library (`root`: default sysconfig's stdlib) that has a docstring and a short body, in
     file order: the shape of a HumanEval task (a signature and a docstring to complete), from
     a source that cannot overlap HumanEval (the leak check in data.py tests that too). Test
     suites, private modules, idlelib, turtledemo and site-packages are skipped; the body is
-    never shown."""
+    never shown. `methods`: the public methods of public module-level classes instead, each
+    shown inside a bare `class Name:` line, the docstring indented as written."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     out, seen = [], set()
     for path in sorted(root.rglob("*.py")):
@@ -125,18 +126,35 @@ def docstring_functions(root: str | Path | None = None) -> list[tuple[str, str]]
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         module = ".".join(rel.with_suffix("").parts)
-        for node in tree.body:
-            stub = _stub(node)
-            if stub is not None and stub not in seen:  # a function copied into two modules counts once
+        for name, stub in (_method_stubs(tree) if methods else _function_stubs(tree)):
+            if stub not in seen:  # a function copied into two modules counts once
                 seen.add(stub)
-                out.append((f"stdlib/{module}.{node.name}", stub))
+                out.append((f"stdlib/{module}.{name}", stub))
     return out
+
+
+def _function_stubs(tree: ast.Module):
+    for node in tree.body:
+        stub = _stub(node)
+        if stub is not None:
+            yield node.name, ast.unparse(ast.fix_missing_locations(ast.Module([stub], []))) + "\n"
+
+
+def _method_stubs(tree: ast.Module):
+    for cls in tree.body:
+        if isinstance(cls, ast.ClassDef) and not cls.name.startswith("_"):
+            for node in cls.body:
+                stub = _stub(node)
+                if stub is not None:
+                    shell = ast.ClassDef(name=cls.name, bases=[], keywords=[], body=[stub], decorator_list=[],
+                                         type_params=[])
+                    yield f"{cls.name}.{node.name}", ast.unparse(ast.fix_missing_locations(ast.Module([shell], []))) + "\n"
 
 
 SKIP_DIRS = {"site-packages", "idlelib", "turtledemo", "lib2to3", "ensurepip", "pydoc_data", "tkinter"}
 
 
-def _stub(node: ast.AST) -> str | None:
+def _stub(node: ast.AST) -> ast.FunctionDef | None:
     """`def name(args) -> ret:` and its docstring, when `node` is a public function with a
     docstring of a few lines and a body of 1..MAX_BODY_LINES lines; else None."""
     if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
@@ -149,17 +167,17 @@ def _stub(node: ast.AST) -> str | None:
     if not 1 <= lines <= MAX_BODY_LINES:
         return None
     raw = ast.get_docstring(node, clean=False)  # as written, indented like the source (and HumanEval)
-    stub = ast.FunctionDef(name=node.name, args=node.args, body=[ast.Expr(ast.Constant(raw))], decorator_list=[],
+    return ast.FunctionDef(name=node.name, args=node.args, body=[ast.Expr(ast.Constant(raw))], decorator_list=[],
                            returns=node.returns)
-    text = ast.unparse(ast.fix_missing_locations(ast.Module([stub], [])))
-    return text + "\n"
 
 
-def docstring_prompts(n: int = 2000, seed: int = 0, root: str | Path | None = None) -> list[tuple[str, str]]:
-    """(id, user message) pairs: `n` standard-library stubs in a seeded order, each asked as
-    the benchmark asks HumanEval (the same instruction, the stub in a Python code block)."""
+def docstring_prompts(n: int = 2000, seed: int = 0, root: str | Path | None = None,
+                      methods: bool = False) -> list[tuple[str, str]]:
+    """(id, user message) pairs: `n` standard-library stubs (functions, or with `methods` class
+    methods) in a seeded order, each asked as the benchmark asks HumanEval (the same
+    instruction, the stub in a Python code block)."""
     from dflash.text.prompts import _HUMANEVAL_INSTRUCTION
 
-    stubs = docstring_functions(root)
+    stubs = docstring_functions(root, methods)
     random.Random(seed).shuffle(stubs)
     return [(i, f"{_HUMANEVAL_INSTRUCTION}```python\n{code}```") for i, code in stubs[:n]]

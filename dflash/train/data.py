@@ -52,6 +52,8 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
         pools["code"] = code_prompts(want["code"], seed=cfg.seed)
     if "docstring" in want:  # HumanEval-shaped stubs from the standard library's source
         pools["docstring"] = docstring_prompts(want["docstring"], seed=cfg.seed)
+    if "method" in want:  # the same shape: public methods of the standard library's classes
+        pools["method"] = docstring_prompts(want["method"], seed=cfg.seed, methods=True)
     if "sharegpt" in want:
         rows = P.sharegpt(split="train")
         rng = np.random.default_rng(cfg.seed)
@@ -99,7 +101,7 @@ def excluded_prompts(folders: list[str]) -> dict[str, str]:
     return out
 
 
-SOURCES = ("math", "code", "docstring", "sharegpt")
+SOURCES = ("math", "code", "docstring", "method", "sharegpt")
 
 
 def _check_sources(names: set[str], what: str) -> None:
