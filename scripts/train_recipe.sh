@@ -16,6 +16,11 @@
 # DATA_FLAGS: other data than smollm2-c's first SHARDS shards (nothing is rebuilt then; the
 # folders must hold their features already), e.g. session 10's
 #   DATA_FLAGS="--data runs/data/smollm2-d --more-data [\"runs/data/smollm2-e\"]" START=runs/fit/d5/best
+# INIT: how every arm starts (default: warm from START); session 11 compared the target layers the
+# draft reads from scratch, each arm naming its own features (a later --data wins):
+#   INIT="--init target" LR=1e-3 STEPS=600 WARMUP=0.04 GAMMA=4 TAU_N=10 DATA_FLAGS="--data runs/data/smollm2-e" \
+#   ARMS="l27=;l29=--data runs/data/smollm2-e29" PLOT=docs/training_layers.png scripts/train_recipe.sh
+# TAU_N: evaluation prompts per domain for step 3 (default 5)
 set -euo pipefail
 set -f  # no globbing: DATA_FLAGS may hold a JSON list, which a glob could expand
 cd "$(dirname "$0")/.."
@@ -31,12 +36,14 @@ START=${START:-dflash/drafts/smollm2-135m-instruct}
 ARMS=${ARMS:-"hard=--distill-weight 0;distill=--distill-weight 0.5"}
 PLOT=${PLOT:-docs/training_distill.png}
 GAMMA=${GAMMA:-7}
+INIT=${INIT:-"--init-from $START"}
+TAU_N=${TAU_N:-5}
 if [ -z "${DATA_FLAGS:-}" ]; then
     $PY -m dflash.cli train data --out "$DATA" --num-prompts 9000 --first-shard 94 --max-shards $((94 + SHARDS)) \
         --responses data/smollm2-c --threads "$THREADS"
     DATA_FLAGS="--data $DATA --data-shards $SHARDS"
 fi
-COMMON="$DATA_FLAGS --resume --init-from $START --num-layers 2 --loss-vocab draft
+COMMON="$DATA_FLAGS --resume $INIT --num-layers 2 --loss-vocab draft
     --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr $LR --warmup-frac $WARMUP --max-steps $STEPS
     --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 --gamma $GAMMA --threads $THREADS"
 fit() {  # $1 arm name, $2 its flags
@@ -44,7 +51,7 @@ fit() {  # $1 arm name, $2 its flags
     $PY -m dflash.cli train fit --out "runs/fit/$1" $COMMON $2 > "runs/fit/$1.log" 2>&1
 }
 tau() {  # $1 arm name
-    $PY scripts/train_measure_tau.py "runs/fit/$1/best" --n 5 --tokens 128 --threads "$THREADS" \
+    $PY scripts/train_measure_tau.py "runs/fit/$1/best" --n "$TAU_N" --tokens 128 --threads "$THREADS" \
         --json "runs/tau/$1.json" > "runs/tau/$1.log" 2>&1
 }
 mkdir -p runs/fit runs/tau
