@@ -647,3 +647,19 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(tmp_path):
         full.train_step()
     assert start >= 3 and resumed.step == full.step == total
     assert torch.equal(_params(resumed.draft), _params(full.draft))
+
+
+def test_the_committed_prompt_lists_hold_no_evaluation_prompt():
+    """Every kept prompt list in data/ (the lists new drafts train on) passes the leak check:
+    no prompt equals an evaluation prompt, no math seed is an evaluation seed."""
+    import json
+    from pathlib import Path
+
+    from dflash.train.data import check_no_leaks
+
+    lists = sorted((Path(__file__).resolve().parents[1] / "data").glob("*/prompts.jsonl"))
+    assert len(lists) >= 3  # smollm2-d, -e, -f
+    for path in lists:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert rows, path
+        check_no_leaks(rows)  # raises DataError naming the leaked ids
