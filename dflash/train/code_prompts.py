@@ -137,7 +137,11 @@ def _function_stubs(tree: ast.Module):
     for node in tree.body:
         stub = _stub(node)
         if stub is not None:
-            yield node.name, ast.unparse(ast.fix_missing_locations(ast.Module([stub], []))) + "\n"
+            yield node.name, _source(stub)
+
+
+def _source(node: ast.stmt) -> str:
+    return ast.unparse(ast.fix_missing_locations(ast.Module([node], []))) + "\n"
 
 
 def _method_stubs(tree: ast.Module):
@@ -148,7 +152,7 @@ def _method_stubs(tree: ast.Module):
                 if stub is not None:
                     shell = ast.ClassDef(name=cls.name, bases=[], keywords=[], body=[stub], decorator_list=[],
                                          type_params=[])
-                    yield f"{cls.name}.{node.name}", ast.unparse(ast.fix_missing_locations(ast.Module([shell], []))) + "\n"
+                    yield f"{cls.name}.{node.name}", _source(shell)
 
 
 SKIP_DIRS = {"site-packages", "idlelib", "turtledemo", "lib2to3", "ensurepip", "pydoc_data", "tkinter"}
