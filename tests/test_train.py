@@ -506,6 +506,30 @@ def test_a_warm_start_is_scored_at_step_0_and_kept_unless_beaten(tmp_path):
     assert not (tmp_path / "best.json").exists()  # an earlier, better score stays best
 
 
+def test_a_chained_learning_curve_continues_each_stage_where_the_last_ended(tmp_path):
+    """`train plot --chain`: a warm-started stage's tokens and CPU-seconds start where the stage
+    before it ended; without --chain each run starts at 0; a run without metrics is named."""
+    import json
+
+    from dflash.cli.commands import main
+    from dflash.train.report import chained_metrics
+
+    for name, rows in {"a": [(0, 0.0, 1.5), (100, 10.0, 1.7)], "b": [(0, 0.0, 1.6), (50, 4.0, 1.9)]}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": t, "tokens": t, "cpu_s": c, "loss": 3.0, "heldout_block_tau": tau}) + "\n"
+            for t, c, tau in rows))
+    runs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    a, b = chained_metrics(runs, chain=True)
+    assert [(r["tokens"], r["cpu_s"]) for r in b] == [(100, 10.0), (150, 14.0)] and a[1]["tokens"] == 100
+    assert [r["tokens"] for r in chained_metrics(runs)[1]] == [0, 50]
+    out = tmp_path / "curve.png"
+    assert main(["train", "plot", *runs, "--chain", "--labels", "a", "b", "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+    with pytest.raises(FileNotFoundError, match="missing"):
+        chained_metrics([*runs, str(tmp_path / "missing")])
+
+
 def test_a_data_folder_from_before_a_new_setting_continues(tmp_path):
     """A data_config.json written before a setting existed reads it as its default."""
     import json

@@ -56,6 +56,8 @@ def add_train(sub) -> None:
     pl.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl)")
     pl.add_argument("--out", required=True, help="PNG path")
     pl.add_argument("--labels", nargs="*", help="legend names, one per run")
+    pl.add_argument("--chain", action="store_true",
+                    help="the runs are warm-started stages of one lineage: draw them end to end")
     pl.set_defaults(func=_run_plot)
     sh = tsub.add_parser("ship", help="copy a run's best draft into a folder with MANIFEST.json")
     sh.add_argument("run")
@@ -82,7 +84,7 @@ def _run_fit(cfg) -> int:
 def _run_plot(args) -> int:
     from dflash.train.report import plot_runs
 
-    print(plot_runs(args.runs, args.out, args.labels))
+    print(plot_runs(args.runs, args.out, args.labels, chain=args.chain))
     return 0
 
 

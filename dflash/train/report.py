@@ -14,19 +14,36 @@ def read_metrics(run: str | Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
 
 
-def plot_runs(runs: list[str], out: str | Path, labels: list[str] | None = None) -> Path:
-    """Loss, held-out block tau and measured tau against training tokens and CPU-hours."""
+def chained_metrics(runs: list[str], chain: bool = False) -> list[list[dict]]:
+    """Each run's metrics rows; with `chain`, every run's tokens and CPU-seconds continue from
+    where the run before it ended (warm-started stages read as one lineage). A run with no
+    metrics.jsonl is an error that names it."""
+    every = [read_metrics(r) for r in runs]
+    missing = [str(r) for r, rows in zip(runs, every) if not rows]
+    if missing:
+        raise FileNotFoundError(f"no metrics.jsonl rows in {', '.join(missing)}")
+    out, tokens0, cpu0 = [], 0.0, 0.0
+    for rows in every:
+        shifted = [{**r, "tokens": r["tokens"] + tokens0, "cpu_s": r["cpu_s"] + cpu0} for r in rows]
+        out.append(shifted)
+        if chain:
+            tokens0, cpu0 = max(r["tokens"] for r in shifted), max(r["cpu_s"] for r in shifted)
+    return out
+
+
+def plot_runs(runs: list[str], out: str | Path, labels: list[str] | None = None, chain: bool = False) -> Path:
+    """Loss, held-out block tau and measured tau against training tokens and CPU-hours; with
+    `chain`, the runs are stages of one warm-started lineage, drawn end to end."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if labels and len(labels) != len(runs):
+        raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for i, run in enumerate(runs):
-        rows = read_metrics(run)
-        if not rows:
-            continue
-        name = (labels or [])[i] if labels and i < len(labels) else Path(run).name
+    for i, rows in enumerate(chained_metrics(runs, chain)):
+        name = labels[i] if labels else Path(runs[i]).name
         tr = [r for r in rows if "loss" in r]  # a warm start's step-0 evaluation has no loss
         axes[0].plot([r["tokens"] / 1e6 for r in tr], [r["loss"] for r in tr], label=name, alpha=0.8)
         ev = [r for r in rows if "heldout_block_tau" in r]
@@ -39,9 +56,11 @@ def plot_runs(runs: list[str], out: str | Path, labels: list[str] | None = None)
             if pts:
                 axes[1].plot([r["tokens"] / 1e6 for r in pts], [r[key] for r in pts], "--s", ms=4, label=f"{name} {key}")
                 axes[2].plot([r["cpu_s"] / 3600 for r in pts], [r[key] for r in pts], "--s", ms=4, label=f"{name} {key}")
-    axes[0].set(xlabel="training tokens (M, context tokens seen)", ylabel="weighted CE loss", title="loss", yscale="log")
-    axes[1].set(xlabel="training tokens (M)", ylabel="tau (block 16, greedy)", title="tau vs tokens")
-    axes[2].set(xlabel="CPU-hours", ylabel="tau", title="tau vs CPU-hours")
+    since = f" (from {labels[0] if labels else Path(runs[0]).name}'s start)" if chain else ""
+    axes[0].set(xlabel=f"training tokens (M, context tokens seen){since}", ylabel="weighted CE loss", title="loss",
+                yscale="log")
+    axes[1].set(xlabel=f"training tokens (M){since}", ylabel="tau (block 16, greedy)", title="tau vs tokens")
+    axes[2].set(xlabel=f"CPU-hours{since}", ylabel="tau", title="tau vs CPU-hours")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
