@@ -114,12 +114,15 @@ class TargetModel:
         return out * scale if scale != 1.0 else out
 
     def logits(self, hidden: torch.Tensor, head_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: (B, T, H) -> (B, T, V), or (B, T, K) over `head_rows` (K, H) of the lm_head."""
+        """hidden: (B, T, H) -> (B, T, V), or (B, T, K) over `head_rows` (K, H) of the lm_head.
+        The measured kernels are inference kernels (oneDNN's has no backward): a call autograd
+        must see (training a draft through the frozen head) runs the differentiable product."""
+        grad = torch.is_grad_enabled() and hidden.requires_grad
         if head_rows is None:
-            logits = self.head(hidden) if self._head is None else self._head(hidden)
+            logits = self.head(hidden) if self._head is None or grad else self._head(hidden)
         else:
             entry = self._rows.get(id(head_rows))
-            lin = entry[1] if entry is not None and entry[0]() is head_rows else None
+            lin = entry[1] if entry is not None and entry[0]() is head_rows and not grad else None
             logits = F.linear(hidden, head_rows) if lin is None else lin(hidden)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
