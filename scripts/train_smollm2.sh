@@ -24,7 +24,10 @@
 #            scripts/train_recipe.sh on 1 thread, beside another arm)
 #   stage 7 (session 11, run f2): smollm2-d, smollm2-e and the 40 shards of data/smollm2-f (578 K
 #            tokens with the `method` source) as one pool, warm-started from stage 6's best, the
-#            same 500 steps; this is the shipped draft (shipped in session 12)
+#            same 500 steps (shipped in session 12, then replaced by stage 8)
+#   stage 8 (session 12, run g2): smollm2-d, -e, -f and the 40 shards of data/smollm2-g (581 K
+#            tokens, as f on a fifth disjoint prompt list) as one pool, warm-started from stage
+#            7's best, the same 500 steps; this is the shipped draft (shipped in session 12)
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +45,8 @@ DATA6=${DATA6:-runs/data/smollm2-e}
 RUN6=${RUN6:-runs/fit/e2}
 DATA7=${DATA7:-runs/data/smollm2-f}
 RUN7=${RUN7:-runs/fit/f2}
+DATA8=${DATA8:-runs/data/smollm2-g}
+RUN8=${RUN8:-runs/fit/g2}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -60,7 +65,7 @@ $PY -m dflash.cli train fit --data "$DATA3" --out "$RUN3" --init-from "$RUN2/bes
     $COMMON
 $PY -m dflash.cli train data --out "$DATA4" --num-prompts 9000 --first-shard 94 --max-shards 141 \
     --responses data/smollm2-c --threads "$THREADS"
-warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON]: stages 4-7, 500 steps at lr 5e-4, gamma 4
+warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON]: stages 4-8, 500 steps at lr 5e-4, gamma 4
     $PY -m dflash.cli train fit --data "$2" --more-data "${4:-[]}" --out "$1" --resume --init-from "$3" \
         --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr 5e-4 \
         --warmup-frac 0.04 --max-steps 500 --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 \
@@ -76,7 +81,10 @@ warm "$RUN6" "$DATA5" "$RUN5/best" "[\"$DATA6\"]"
 $PY -m dflash.cli train data --config data/smollm2-f/data_config.json --out "$DATA7" --responses data/smollm2-f \
     --threads "$THREADS"
 warm "$RUN7" "$DATA5" "$RUN6/best" "[\"$DATA6\", \"$DATA7\"]"
-$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" --chain \
-    --labels main2 main3 main4 gamma4 d5 e2 f2 --out docs/training_lineage.png
-$PY -m dflash.cli train ship "$RUN7" --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/e2/best (stage 6)"}'
+$PY -m dflash.cli train data --config data/smollm2-g/data_config.json --out "$DATA8" --responses data/smollm2-g \
+    --threads "$THREADS"
+warm "$RUN8" "$DATA5" "$RUN7/best" "[\"$DATA6\", \"$DATA7\", \"$DATA8\"]"
+$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" --chain \
+    --labels main2 main3 main4 gamma4 d5 e2 f2 g2 --out docs/training_lineage.png
+$PY -m dflash.cli train ship "$RUN8" --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/f2/best (stage 7)"}'
