@@ -2,6 +2,7 @@
 features by the generator and by the prefill rebuild, and the distillation loss on them."""
 
 import json
+import random
 from dataclasses import asdict
 
 import numpy as np
@@ -252,6 +253,36 @@ def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_pat
     check_no_leaks([{"id": i, "dataset": "method", "content": t} for i, t in methods])
     docs = [P.normalize(t.split('"""')[1]) for _, t in methods]
     assert not any(d in c for d in docs for c in codes)
+
+
+def test_library_stubs_are_a_new_pool_of_the_same_shape(tmp_path):
+    from dflash.text import prompts as P
+    from dflash.train.code_prompts import LIBRARIES, docstring_functions, docstring_prompts, library_functions
+    from dflash.train.data import check_no_leaks
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        'def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, and return it."""\n'
+        '    return a + b\n')
+    assert docstring_functions(tmp_path, prefix="lib/x.") == [
+        ("lib/x.pkg.mod.keep", 'def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, '
+                               'and return it."""\n')]
+    stubs = library_functions()
+    assert len(stubs) > 3000 and len({t for _, t in stubs}) == len(stubs)
+    assert {i.split("/")[1].split(".")[0] for i, _ in stubs} == set(LIBRARIES)  # each library gives stubs
+    assert library_functions(("no_such_package_here",)) == []
+    rows = docstring_prompts(3000, seed=5, libraries=True)  # the pool in a seeded order, as the lists take it
+    random.Random(5).shuffle(stubs)
+    assert [i for i, _ in rows] == [i for i, _ in stubs[:3000]]
+    stdlib = {t for _, t in docstring_prompts(5000)} | {t for _, t in docstring_prompts(5000, methods=True)}
+    assert not {t for _, t in rows} & stdlib  # a pool apart from the standard library's
+    head = P.humaneval()[0].content
+    head = head[: head.index("```python")]
+    assert all(t.startswith(head + "```python\n") and t.endswith('"""\n```') for _, t in rows)
+    check_no_leaks([{"id": i, "dataset": "library", "content": t} for i, t in rows])
+    codes = [P.normalize(p.meta["code"]) for p in P.humaneval()]
+    docs = [P.normalize(t.split('"""')[1]) for _, t in rows]
+    assert not any(d in c for d in docs for c in codes)  # no docstring of a stub is in a HumanEval task
 
 
 def test_a_source_gets_its_own_response_limit(tmp_path):

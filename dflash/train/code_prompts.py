@@ -1,6 +1,8 @@
 """Code prompts assembled here from task templates (never HumanEval): a training source for
 the code domain, and HumanEval-shaped stubs (a signature and a docstring to complete) from the
-Python standard library's own source. Deterministic: the same seed gives the same list."""
+Python standard library's own source and from the pure-Python libraries every install of
+torch brings along. Deterministic: the same seed (and the same installed versions) gives the
+same list."""
 
 from __future__ import annotations
 
@@ -106,14 +108,16 @@ def code_prompts(n: int = 2000, seed: int = 0) -> list[tuple[str, str]]:
 MAX_BODY_LINES = 12  # "a short body": the statements after the docstring, as ast.unparse writes them
 
 
-def docstring_functions(root: str | Path | None = None, methods: bool = False) -> list[tuple[str, str]]:
+def docstring_functions(root: str | Path | None = None, methods: bool = False,
+                        prefix: str = "stdlib/") -> list[tuple[str, str]]:
     """(id, signature + docstring) of every module-level function in the Python standard
     library (`root`: default sysconfig's stdlib) that has a docstring and a short body, in
     file order: the shape of a HumanEval task (a signature and a docstring to complete), from
     a source that cannot overlap HumanEval (the leak check in data.py tests that too). Test
     suites, private modules, idlelib, turtledemo and site-packages are skipped; the body is
     never shown. `methods`: the public methods of public module-level classes instead, each
-    shown inside a bare `class Name:` line, the docstring indented as written."""
+    shown inside a bare `class Name:` line, the docstring indented as written. `prefix`
+    starts every id (a package's name and a dot when `root` is a package folder)."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     out, seen = [], set()
     for path in sorted(root.rglob("*.py")):
@@ -129,7 +133,31 @@ def docstring_functions(root: str | Path | None = None, methods: bool = False) -
         for name, stub in (_method_stubs(tree) if methods else _function_stubs(tree)):
             if stub not in seen:  # a function copied into two modules counts once
                 seen.add(stub)
-                out.append((f"stdlib/{module}.{name}", stub))
+                out.append((f"{prefix}{module}.{name}", stub))
+    return out
+
+
+# torch's own pure-Python dependencies (mpmath comes with sympy): on every machine dflash runs
+LIBRARIES = ("sympy", "mpmath", "networkx", "jinja2")
+
+
+def library_functions(libraries: tuple[str, ...] = LIBRARIES) -> list[tuple[str, str]]:
+    """The stubs of `docstring_functions`, functions and class methods both, from the installed
+    `libraries` instead of the standard library: ids `lib/<package>.<module>.<name>`, one stub
+    text once. A library that is not installed adds nothing."""
+    import importlib.util
+
+    out, seen = [], set()
+    for lib in libraries:
+        spec = importlib.util.find_spec(lib)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        for methods in (False, True):
+            for pid, stub in docstring_functions(root, methods, prefix=f"lib/{lib}."):
+                if stub not in seen:
+                    seen.add(stub)
+                    out.append((pid, stub))
     return out
 
 
@@ -176,12 +204,12 @@ def _stub(node: ast.AST) -> ast.FunctionDef | None:
 
 
 def docstring_prompts(n: int = 2000, seed: int = 0, root: str | Path | None = None,
-                      methods: bool = False) -> list[tuple[str, str]]:
+                      methods: bool = False, libraries: bool = False) -> list[tuple[str, str]]:
     """(id, user message) pairs: `n` standard-library stubs (functions, or with `methods` class
-    methods) in a seeded order, each asked as the benchmark asks HumanEval (the same
-    instruction, the stub in a Python code block)."""
+    methods; with `libraries`, both from `LIBRARIES` instead) in a seeded order, each asked as
+    the benchmark asks HumanEval (the same instruction, the stub in a Python code block)."""
     from dflash.text.prompts import _HUMANEVAL_INSTRUCTION
 
-    stubs = docstring_functions(root, methods)
+    stubs = library_functions() if libraries else docstring_functions(root, methods)
     random.Random(seed).shuffle(stubs)
     return [(i, f"{_HUMANEVAL_INSTRUCTION}```python\n{code}```") for i, code in stubs[:n]]

@@ -109,7 +109,8 @@ class DataConfig:
     target: str | None = None  # None: the default SmolLM2-135M-Instruct
     num_prompts: int = 3000
     # sources: math, code (templated requests), docstring (standard-library stubs to complete, the
-    # HumanEval shape), method (the same from the standard library's class methods), sharegpt
+    # HumanEval shape), method (the same from the standard library's class methods), library
+    # (functions and methods of sympy, mpmath, networkx, jinja2: torch's own dependencies), sharegpt
     mix: dict = field(default_factory=lambda: {"math": 0.4, "code": 0.3, "sharegpt": 0.3})
     layer_ids: list[int] = field(default_factory=lambda: [1, 8, 14, 20, 27])
     max_prompt_tokens: int = 320

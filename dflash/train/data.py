@@ -54,6 +54,8 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
         pools["docstring"] = docstring_prompts(want["docstring"], seed=cfg.seed)
     if "method" in want:  # the same shape: public methods of the standard library's classes
         pools["method"] = docstring_prompts(want["method"], seed=cfg.seed, methods=True)
+    if "library" in want:  # the same shape again, from the libraries torch installs (sympy, ...)
+        pools["library"] = docstring_prompts(want["library"], seed=cfg.seed, libraries=True)
     if "sharegpt" in want:
         rows = P.sharegpt(split="train")
         rng = np.random.default_rng(cfg.seed)
@@ -101,7 +103,7 @@ def excluded_prompts(folders: list[str]) -> dict[str, str]:
     return out
 
 
-SOURCES = ("math", "code", "docstring", "method", "sharegpt")
+SOURCES = ("math", "code", "docstring", "method", "library", "sharegpt")
 
 
 def _check_sources(names: set[str], what: str) -> None:
