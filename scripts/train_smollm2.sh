@@ -31,8 +31,11 @@
 #   stage 9 (session 14, run h9): smollm2-d, -g and the 40 shards of data/smollm2-h (581 K tokens
 #            on a sixth disjoint prompt list) as one pool (e and f left out: stage 8 had them and
 #            their rebuild would cost a fresh machine ~50 min more), warm-started from stage 8's
-#            best, the same 500 steps; its last step is the shipped draft (shipped in session 14;
-#            chosen over step 350, the held-out best by 0.004, on eval tau)
+#            best, the same 500 steps; its last step was shipped in session 14 (chosen over step
+#            350, the held-out best by 0.004, on eval tau; replaced by stage 10)
+#   stage 10 (session 15, run h10): stage 9's pool and the 40 shards of data/smollm2-i (617 K
+#            tokens on a seventh disjoint prompt list), warm-started from stage 9's last step, the
+#            same 500 steps; its last step (also its held-out best) is the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +57,8 @@ DATA8=${DATA8:-runs/data/smollm2-g}
 RUN8=${RUN8:-runs/fit/g2}
 DATA9=${DATA9:-runs/data/smollm2-h}
 RUN9=${RUN9:-runs/fit/h9}
+DATA10=${DATA10:-runs/data/smollm2-i}
+RUN10=${RUN10:-runs/fit/h10}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -94,7 +99,10 @@ warm "$RUN8" "$DATA5" "$RUN7/best" "[\"$DATA6\", \"$DATA7\", \"$DATA8\"]"
 $PY -m dflash.cli train data --config data/smollm2-h/data_config.json --out "$DATA9" --responses data/smollm2-h \
     --threads "$THREADS"
 warm "$RUN9" "$DATA5" "$RUN8/best" "[\"$DATA8\", \"$DATA9\"]"
-$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" --chain \
-    --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 --out docs/training_lineage.png
-$PY -m dflash.cli train ship "$RUN9" --which final --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/g2/best (stage 8)"}'
+$PY -m dflash.cli train data --config data/smollm2-i/data_config.json --out "$DATA10" --responses data/smollm2-i \
+    --threads "$THREADS"
+warm "$RUN10" "$DATA5" "$RUN9/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\"]"
+$PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" --chain \
+    --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 --out docs/training_lineage.png
+$PY -m dflash.cli train ship "$RUN10" --which final --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h9/final (stage 9)"}'
