@@ -151,7 +151,7 @@ def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int, proj=None):
     if t == 1 and b > 1 and heads != groups:
         # a batched decode step (the data generator): the query heads that share a K/V head
         # become that head's query rows, (B, KV, NH/KV, D), so attention needs no copy of K and V
-        # per query head (1.7x on a 2-core CPU at batch 64 and 500 slots; the same numbers)
+        # per query head (1.7x on a 2-core CPU at batch 64 and 500 slots; equal up to rounding)
         o = F.scaled_dot_product_attention(q.reshape(b, groups, heads // groups, -1), keys, values,
                                            attn_mask=mask, scale=attn.scaling).reshape(b, heads, 1, -1)
     else:
