@@ -77,30 +77,27 @@ $PY -m dflash.cli train fit --data "$DATA3" --out "$RUN3" --init-from "$RUN2/bes
     $COMMON
 $PY -m dflash.cli train data --out "$DATA4" --num-prompts 9000 --first-shard 94 --max-shards 141 \
     --responses data/smollm2-c --threads "$THREADS"
-warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON]: stages 4-8, 500 steps at lr 5e-4, gamma 4
+rebuild() {  # $1 a kept list under data/, $2 its features folder: the features by prefill (missing shards generated)
+    $PY -m dflash.cli train data --config "data/$1/data_config.json" --out "$2" --responses "data/$1" --threads "$THREADS"
+}
+warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON]: stages 4-10, 500 steps at lr 5e-4, gamma 4
     $PY -m dflash.cli train fit --data "$2" --more-data "${4:-[]}" --out "$1" --resume --init-from "$3" \
         --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr 5e-4 \
         --warmup-frac 0.04 --max-steps 500 --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 \
         --gamma 4 --threads "$THREADS"
 }
 warm "$RUN4" "$DATA4" "$RUN3/best"
-$PY -m dflash.cli train data --config data/smollm2-d/data_config.json --out "$DATA5" --responses data/smollm2-d \
-    --threads "$THREADS"
+rebuild smollm2-d "$DATA5"
 warm "$RUN5" "$DATA5" "$RUN4/best"
-$PY -m dflash.cli train data --config data/smollm2-e/data_config.json --out "$DATA6" --responses data/smollm2-e \
-    --threads "$THREADS"
+rebuild smollm2-e "$DATA6"
 warm "$RUN6" "$DATA5" "$RUN5/best" "[\"$DATA6\"]"
-$PY -m dflash.cli train data --config data/smollm2-f/data_config.json --out "$DATA7" --responses data/smollm2-f \
-    --threads "$THREADS"
+rebuild smollm2-f "$DATA7"
 warm "$RUN7" "$DATA5" "$RUN6/best" "[\"$DATA6\", \"$DATA7\"]"
-$PY -m dflash.cli train data --config data/smollm2-g/data_config.json --out "$DATA8" --responses data/smollm2-g \
-    --threads "$THREADS"
+rebuild smollm2-g "$DATA8"
 warm "$RUN8" "$DATA5" "$RUN7/best" "[\"$DATA6\", \"$DATA7\", \"$DATA8\"]"
-$PY -m dflash.cli train data --config data/smollm2-h/data_config.json --out "$DATA9" --responses data/smollm2-h \
-    --threads "$THREADS"
+rebuild smollm2-h "$DATA9"
 warm "$RUN9" "$DATA5" "$RUN8/best" "[\"$DATA8\", \"$DATA9\"]"
-$PY -m dflash.cli train data --config data/smollm2-i/data_config.json --out "$DATA10" --responses data/smollm2-i \
-    --threads "$THREADS"
+rebuild smollm2-i "$DATA10"
 warm "$RUN10" "$DATA5" "$RUN9/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\"]"
 $PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" --chain \
     --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 --out docs/training_lineage.png
