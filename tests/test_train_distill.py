@@ -287,13 +287,14 @@ def test_library_stubs_are_a_new_pool_of_the_same_shape(tmp_path):
 
 def test_a_source_gets_its_own_response_limit(tmp_path):
     from dflash.testing import tiny_pipeline
-    from dflash.train.data import _new_shard, run_data
+    from dflash.train.data import _shards, run_data
 
     pipe = tiny_pipeline()
     cfg = DataConfig(layer_ids=[0, 1], max_new_tokens=3, max_new_tokens_by_source={"math": 7}, topk=K)
     chunk = [{"id": f"{d}/{i}", "dataset": d, "content": f"the quick fox {i}"} for i, d in
              enumerate(["math", "code", "math", "sharegpt", "code"])]
-    rows, _, soft = _new_shard(pipe.target.model, pipe.tokenizer, chunk, cfg, [], 0, torch.Generator())
+    [(index, rows, _, soft)] = _shards(pipe.target.model, pipe.tokenizer, chunk, [0], cfg, [], 0, torch.Generator())
+    assert index == 0
     assert {r["id"]: len(r["response_ids"]) for r in rows} == {"math/0": 7, "code/1": 3, "math/2": 7,
                                                                "sharegpt/3": 3, "code/4": 3}
     assert [len(s) for s in soft] == [len(r["response_ids"]) for r in rows]

@@ -67,6 +67,17 @@ class KVBuffer:
             buf[:, :, :, start:start + len(src)] = buf[:, :, :, src]  # the gather copies before the write
         self.length = start + len(src)
 
+    @torch.inference_mode()
+    def shift(self, n: int) -> None:
+        """Drop the first `n` filled slots of every row, the rest moved to the front (a layer
+        at a time, so the copy it needs is one layer's)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot drop {n} of {self.length} filled slots")
+        for buf in (self.k, self.v):
+            for layer in buf:  # (B, KV, T_max, D)
+                layer[:, :, :self.length - n] = layer[:, :, n:self.length].clone()
+        self.length -= n
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (A,) of the batch (a copy of the filled part)."""
         self._reallocate(rows, self.max_len)

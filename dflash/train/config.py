@@ -122,6 +122,8 @@ class DataConfig:
     # soft labels: the target's top-k log-probabilities (and the log of the remaining mass) over
     # every response token, kept in shard-N.topk.npz beside the features; 0: hard labels only
     topk: int = 32
+    # rows the target generates at once; a row that ends takes the next prompt (across shards) on
+    # Llama-family targets, other targets run batch after batch
     batch_size: int = 32
     shard_size: int = 64
     threads: int = 1
