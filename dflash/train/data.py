@@ -280,7 +280,7 @@ def _shards(model, tok, rows, todo, cfg, stop_ids, pad, gen):
     yield from _generated_shards(model, tok, rows, fresh, cfg, stop_ids, pad, gen)
 
 
-def _encode(tok, chunk: list[dict], cfg) -> list[tuple[dict, list[int]]]:
+def encode_prompts(tok, chunk: list[dict], cfg) -> list[tuple[dict, list[int]]]:
     """Each prompt of a shard with its chat-templated tokens, those over max_prompt_tokens left out."""
     enc = []
     for r in chunk:
@@ -297,7 +297,7 @@ def _generated_shards(model, tok, rows, todo, cfg, stop_ids, pad, gen):
 
     def requests():
         for index in todo:
-            enc = _encode(tok, rows[index * cfg.shard_size:(index + 1) * cfg.shard_size], cfg)
+            enc = encode_prompts(tok, rows[index * cfg.shard_size:(index + 1) * cfg.shard_size], cfg)
             waiting[index] = (len(enc), {})
             if not enc:
                 ready.append(index)
@@ -337,7 +337,7 @@ def _shard_of(answered: list[tuple[dict, Generated]], topk: int):
 
 def _prefill_shard(model, tok, chunk, cfg, stop_ids, pad):
     """A shard of existing replies labelled by the target, in batches of one response limit."""
-    enc = sorted(_encode(tok, chunk, cfg), key=lambda x: (max_new_tokens(cfg, x[0]["dataset"]), len(x[1])))
+    enc = sorted(encode_prompts(tok, chunk, cfg), key=lambda x: (max_new_tokens(cfg, x[0]["dataset"]), len(x[1])))
     answered = []
     for limit in sorted({max_new_tokens(cfg, r["dataset"]) for r, _ in enc}):
         same = [x for x in enc if max_new_tokens(cfg, x[0]["dataset"]) == limit]
