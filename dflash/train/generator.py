@@ -272,7 +272,8 @@ def generate_stream(model, requests: Iterable[Request], layer_ids: list[int], st
             if steps.refills and not more:
                 return
             continue
-        if int((~rows.live).sum()) >= steps.compact_at(len(rows.live)):  # drop finished rows from the batch
+        if not (steps.refills and more) and int((~rows.live).sum()) >= steps.compact_at(len(rows.live)):
+            # the queue is dry (or the batch cannot refill): drop finished rows from the batch
             keep = rows.live.nonzero()[:, 0]
             steps.select(keep)
             rows.select(keep)
