@@ -20,7 +20,7 @@ import torch
 from dflash.bench.machine import machine_info
 from dflash.text.assets import load_target
 from dflash.train.config import DataConfig
-from dflash.train.data import data_stop_ids, encode_prompts, max_new_tokens, read_jsonl
+from dflash.train.data import data_stop_ids, encode_prompts, limit_batches, max_new_tokens, read_jsonl
 from dflash.train.generator import Request, generate_batch, generate_stream
 
 
@@ -28,12 +28,9 @@ def batches(model, enc, cfg, stop, pad):
     """Per shard, per response limit, batches of cfg.batch_size run to their longest row."""
     out = {}
     for shard in enc:
-        for limit in sorted({max_new_tokens(cfg, r["dataset"]) for r, _ in shard}):
-            same = [(r, ids) for r, ids in shard if max_new_tokens(cfg, r["dataset"]) == limit]
-            for b in range(0, len(same), cfg.batch_size):
-                part = same[b:b + cfg.batch_size]
-                got = generate_batch(model, [ids for _, ids in part], cfg.layer_ids, limit, stop, pad, topk=cfg.topk)
-                out.update({r["id"]: g.response_ids for (r, _), g in zip(part, got)})
+        for limit, part in limit_batches(shard, cfg):
+            got = generate_batch(model, [ids for _, ids in part], cfg.layer_ids, limit, stop, pad, topk=cfg.topk)
+            out.update({r["id"]: g.response_ids for (r, _), g in zip(part, got)})
     return out
 
 

@@ -300,3 +300,30 @@ def test_a_source_gets_its_own_response_limit(tmp_path):
     assert [len(s) for s in soft] == [len(r["response_ids"]) for r in rows]
     with pytest.raises(DataError, match=r"unknown sources in max_new_tokens_by_source: \['poetry'\]"):
         run_data(DataConfig(out=str(tmp_path), max_new_tokens_by_source={"poetry": 9}))
+
+
+def test_the_prefill_source_labels_existing_replies_with_the_targets_argmax_in_batches_of_one_limit():
+    """Existing replies, cut to their source's limit and closed by a stop token, one forward
+    each batch: every position's label is the target's own argmax there, the features and top-k
+    a plain forward's, and the rows come out shortest limit first."""
+    from dflash.testing import tiny_pipeline
+    from dflash.train.data import _shards
+
+    pipe = tiny_pipeline()
+    model, tok = pipe.target.model, pipe.tokenizer
+    cfg = DataConfig(layer_ids=[0, 1], max_new_tokens=4, max_new_tokens_by_source={"math": 9}, topk=K,
+                     source="prefill", batch_size=2)
+    chunk = [{"id": f"{d}/{i}", "dataset": d, "content": f"the quick fox {i}", "reply": "jumps over the lazy dog " * 3}
+             for i, d in enumerate(["math", "sharegpt", "math", "sharegpt", "math"])]
+    [(index, rows, feats, soft)] = _shards(model, tok, chunk, [0], cfg, [7], 0, torch.Generator())
+    assert index == 0 and [r["id"][:4] for r in rows] == ["shar"] * 2 + ["math"] * 3
+    for r, f, s in zip(rows, feats, soft):
+        limit = 9 if r["dataset"] == "math" else 4
+        assert len(r["response_ids"]) == limit and r["response_ids"][-1] == 7
+        toks = torch.tensor(r["prompt_ids"] + r["response_ids"])
+        with torch.no_grad():
+            out = model(input_ids=toks[None, :-1], output_hidden_states=True)
+        assert r["label_ids"][1:] == out.logits[0].argmax(-1).tolist()  # the target's token after each position
+        ref = torch.cat([out.hidden_states[i + 1] for i in cfg.layer_ids], -1)[0]  # (L-1, k*H)
+        assert torch.allclose(f.float(), ref, atol=2e-2)
+        assert_same_soft(s, SoftLabels.from_logits(out.logits[0, len(r["prompt_ids"]) - 1:], K))

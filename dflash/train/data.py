@@ -292,6 +292,7 @@ def encode_prompts(tok, chunk: list[dict], cfg) -> list[tuple[dict, list[int]]]:
 
 
 def _generated_shards(model, tok, rows, todo, cfg, stop_ids, pad, gen):
+    """The shards `todo` generated through one continuous batch, each as its last row ends."""
     waiting: dict[int, tuple[int, dict]] = {}  # shard -> (its prompts, {its k-th prompt: (row, Generated)})
     ready: list[int] = []  # shards whose every row has ended
 
@@ -335,15 +336,21 @@ def _shard_of(answered: list[tuple[dict, Generated]], topk: int):
     return out_rows, feats, (soft if topk > 0 else None)
 
 
-def _prefill_shard(model, tok, chunk, cfg, stop_ids, pad):
-    """A shard of existing replies labelled by the target, in batches of one response limit."""
-    enc = sorted(encode_prompts(tok, chunk, cfg), key=lambda x: (max_new_tokens(cfg, x[0]["dataset"]), len(x[1])))
-    answered = []
+def limit_batches(enc: list[tuple[dict, list[int]]], cfg):
+    """(limit, batch): a shard's encoded prompts in batches of at most cfg.batch_size that share
+    one response limit, the shortest limit and the shortest prompts first."""
+    enc = sorted(enc, key=lambda x: (max_new_tokens(cfg, x[0]["dataset"]), len(x[1])))
     for limit in sorted({max_new_tokens(cfg, r["dataset"]) for r, _ in enc}):
         same = [x for x in enc if max_new_tokens(cfg, x[0]["dataset"]) == limit]
         for b in range(0, len(same), cfg.batch_size):
-            batch = same[b:b + cfg.batch_size]
-            answered += zip([r for r, _ in batch], _prefill(model, tok, batch, cfg, stop_ids, pad, limit))
+            yield limit, same[b:b + cfg.batch_size]
+
+
+def _prefill_shard(model, tok, chunk, cfg, stop_ids, pad):
+    """A shard of existing replies labelled by the target, in batches of one response limit."""
+    answered = []
+    for limit, batch in limit_batches(encode_prompts(tok, chunk, cfg), cfg):
+        answered += zip([r for r, _ in batch], _prefill(model, tok, batch, cfg, stop_ids, pad, limit))
     return _shard_of(answered, cfg.topk)
 
 
