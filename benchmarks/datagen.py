@@ -20,7 +20,14 @@ import torch
 from dflash.bench.machine import machine_info
 from dflash.text.assets import load_target
 from dflash.train.config import DataConfig
-from dflash.train.data import data_stop_ids, encode_prompts, limit_batches, max_new_tokens, read_jsonl
+from dflash.train.data import (
+    data_stop_ids,
+    encode_prompts,
+    limit_batches,
+    longest_response,
+    max_new_tokens,
+    read_jsonl,
+)
 from dflash.train.generator import Request, generate_batch, generate_stream
 
 
@@ -36,10 +43,9 @@ def batches(model, enc, cfg, stop, pad):
 
 def stream(model, enc, cfg, stop, pad):
     requests = [Request(ids, max_new_tokens(cfg, r["dataset"]), r["id"]) for shard in enc for r, ids in shard]
-    longest = max([cfg.max_new_tokens, *cfg.max_new_tokens_by_source.values()])
     return {req.key: g.response_ids for req, g in generate_stream(
         model, requests, cfg.layer_ids, stop, pad, batch=cfg.batch_size, longest_prompt=cfg.max_prompt_tokens,
-        longest_response=longest, topk=cfg.topk)}
+        longest_response=longest_response(cfg), topk=cfg.topk)}
 
 
 def main():

@@ -255,6 +255,11 @@ def max_new_tokens(cfg: DataConfig, dataset: str) -> int:
     return int(cfg.max_new_tokens_by_source.get(dataset, cfg.max_new_tokens))
 
 
+def longest_response(cfg: DataConfig) -> int:
+    """The longest response limit any source of `cfg` has."""
+    return max([cfg.max_new_tokens, *cfg.max_new_tokens_by_source.values()])
+
+
 def data_stop_ids(tok) -> list[int]:
     """The tokens that end a training response: eos and `<|im_end|>` (the kept shards' set)."""
     from dflash.text.pipeline import stop_token_ids
@@ -311,9 +316,8 @@ def _generated_shards(model, tok, rows, todo, cfg, stop_ids, pad, gen):
             done = waiting.pop(index)[1]
             yield index, *_shard_of([done[k] for k in sorted(done)], cfg.topk)
 
-    longest = max([cfg.max_new_tokens, *cfg.max_new_tokens_by_source.values()])
     for req, g in generate_stream(model, requests(), cfg.layer_ids, stop_ids, pad, batch=cfg.batch_size,
-                                  longest_prompt=cfg.max_prompt_tokens, longest_response=longest,
+                                  longest_prompt=cfg.max_prompt_tokens, longest_response=longest_response(cfg),
                                   temperature=cfg.temperature, generator=gen, topk=cfg.topk):
         index, k, r = req.key
         waiting[index][1][k] = (r, g)
