@@ -188,22 +188,23 @@ SMOLLM2_PROMPTS = [
 
 @pytest.mark.slow
 def test_smollm2_greedy_equals_hf_generate_on_both_kernel_settings():
-    """The real target on this machine's measured kernels and on torch's: every block size's
-    greedy output token for token HF generate's (a kernel that changed a token would show here)."""
+    """The real target on this machine's measured kernels (block sizes 1, 4, 16: the verify
+    pass's token counts land in different kernel buckets) and on torch's: greedy output token
+    for token HF generate's (a kernel that changed a token would show here)."""
     from dflash.text.pipeline import Pipeline
 
     torch.set_num_threads(2)
     pipe = Pipeline.load(None, None, quiet=True)
-    targets = {"auto": pipe.target, "torch": TargetModel(pipe.target.model, kernels="torch")}
-    assert targets["auto"].kernel_info()["mode"] == "auto"
+    assert pipe.target.kernel_info()["mode"] == "auto"
+    runs = [(pipe.target, block) for block in (1, 4, 16)]
+    runs.append((TargetModel(pipe.target.model, kernels="torch"), 16))
     for prompt in SMOLLM2_PROMPTS:
         ids = pipe.encode_chat([{"role": "user", "content": prompt}])
-        ref = pipe.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
+        ref = pipe.target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
                                          eos_token_id=pipe.stop_token_ids, pad_token_id=pipe.tokenizer.pad_token_id)
-        for mode, target in targets.items():
-            for block in (1, 4, 16):
-                out = dflash_generate(pipe.draft, target, ids, 64, pipe.stop_token_ids, block_size=block)
-                assert torch.equal(out, ref), (prompt, mode, block)
+        for target, block in runs:
+            out = dflash_generate(pipe.draft, target, ids, 48, pipe.stop_token_ids, block_size=block)
+            assert torch.equal(out, ref), (prompt, target.kernels, block)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
