@@ -8,7 +8,7 @@ from dflash.testing import tiny_draft, tiny_target
 from dflash.engine import kernels as K
 from dflash.engine import machine
 from dflash.engine.loop import dflash_generate
-from dflash.engine.target import TargetModel
+from dflash.engine.target import TargetModel, as_target
 
 B = K.BUCKETS
 
@@ -225,15 +225,23 @@ def test_the_adapters_own_path_with_linear_kernels_gives_hfs_bits(family):
             assert torch.equal(own.logits(fa), ref.logits(fb))
 
 
-def test_a_second_adapter_of_the_same_model_reuses_its_layout_until_a_weight_changes(tmp_path, monkeypatch):
+def test_a_drafts_slot_reuses_the_adapter_of_the_same_model_until_a_weight_changes(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     model = tiny_target("llama")
-    a, b = TargetModel(model), TargetModel(model)
-    assert b.linears is a.linears and b._head is a._head  # as_target(model) on every call builds nothing
+    draft = tiny_draft(model, block_size=4)
+    a = as_target(model, draft.target_slot)
+    assert as_target(model, draft.target_slot) is a  # dflash_generate(draft, model) on every call builds nothing
+    assert as_target(a, draft.target_slot) is a and as_target(model) is not a  # no slot: a new adapter
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
-    c = TargetModel(model)
-    assert c.linears is not a.linears  # the changed weight is seen
+    b = as_target(model, draft.target_slot)
+    assert b is not a and b.linears is not a.linears  # the changed weight is seen
+    other = tiny_target("llama")
+    assert as_target(other, draft.target_slot).model is other  # another model: its own adapter
+    ids = torch.tensor([[1, 5, 9, 2]])
+    out = dflash_generate(draft, other, ids, max_new_tokens=6)
+    assert as_target(other, draft.target_slot) is draft.target_slot.get(other)
+    assert torch.equal(out, dflash_generate(draft, TargetModel(other, kernels="torch"), ids, max_new_tokens=6))
     assert TargetModel(model, kernels="torch").linears is None
 
 

@@ -17,6 +17,7 @@ from dflash.engine.cache import DraftCache
 from dflash.engine.config import ConfigError, DFlashConfig
 from dflash.engine.errors import CheckpointError
 from dflash.engine.io import atomic_folder
+from dflash.engine.target import AdapterSlot
 
 LAYER_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                  ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
@@ -153,6 +154,9 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
         self.apply(self._init_weights)
+        # the adapter of the HF target this draft was last run with, reused by the next call
+        # that passes the same bare model (engine/target.py)
+        self.target_slot = AdapterSlot()
 
     @staticmethod
     def _init_weights(m):

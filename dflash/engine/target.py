@@ -70,21 +70,12 @@ class TargetModel:
         self._drafts: dict[int, tuple] = {}  # id(draft) -> (weakref to it, its weights' version, its DraftLayout)
         if self.kernels != "auto":
             return
-        # a second TargetModel of the same model (as_target wraps a bare HF model on every call)
-        # reuses the layout built for it, unless a weight changed in place since
-        key = (self.static, torch.get_num_threads(), _weight_versions(self.model))
-        built = _LAYOUTS.get(self.model) if time_fn is None else None
-        if built is not None and built[0] == key:
-            self.kernel_table, self.linears, self._head = built[1]
-            return
         self.kernel_table = kernel_choice.KernelTable(time_fn)
         if self.static and kernel_choice.supports_mlp(self.model):
             self.linears = kernel_choice.DecoderLinears(self.model, self.kernel_table)
         if isinstance(self.head, nn.Linear):
             self._head = self.kernel_table.linear(self.head.weight, self.head.bias, kernel_choice.HEAD_BUCKETS,
                                                   role="lm_head", max_copies=kernel_choice.HEAD_MAX_COPIES)
-        if time_fn is None:
-            _LAYOUTS[self.model] = (key, (self.kernel_table, self.linears, self._head))
 
     def kernel_info(self) -> dict:
         """The kernel table for reports: mode, and per weight shape its roles, the kernel per
@@ -188,11 +179,6 @@ class TargetModel:
         return self.logits(final[:, -logits_to_keep:]), hidden
 
 
-# model -> (key, its layout): weakly keyed, and the layout holds the model's tensors but not the
-# model, so a model that is dropped takes its layout with it
-_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
 def _weight_versions(model: nn.Module) -> int:
     """Changes when any parameter is modified in place (torch counts every in-place write), or
     replaced; an inference-mode tensor has no counter, its storage stands in for it."""
@@ -205,8 +191,30 @@ def _weight_versions(model: nn.Module) -> int:
     return hash(tuple(out))
 
 
-def as_target(target) -> TargetModel:
-    return target if isinstance(target, TargetModel) else TargetModel(target)
+class AdapterSlot:
+    """The adapter last built for a bare HF model, kept by its owner (a draft keeps one), so
+    that calls passing the same model again (`dflash_generate(draft, hf_model, ...)` in a loop)
+    reuse its weight layout instead of copying the weights each call. Rebuilt when another
+    model comes, a weight of it changed in place, or the thread count changed (the measured
+    kernels depend on it). It keeps that model alive while its owner lives."""
+
+    def __init__(self):
+        self._adapter: TargetModel | None = None
+        self._key: tuple | None = None
+
+    def get(self, model: nn.Module) -> TargetModel:
+        key = (torch.get_num_threads(), _weight_versions(model))
+        if self._adapter is None or self._adapter.model is not model or self._key != key:
+            self._adapter, self._key = TargetModel(model), key
+        return self._adapter
+
+
+def as_target(target, slot: AdapterSlot | None = None) -> TargetModel:
+    """`target` itself when it is a TargetModel; else the adapter of the HF model, from `slot`
+    when one is given (reused while the model and its weights stay the same), else a new one."""
+    if isinstance(target, TargetModel):
+        return target
+    return slot.get(target) if slot is not None else TargetModel(target)
 
 
 def check_compatible(config: DFlashConfig, target: TargetModel) -> None:

@@ -258,7 +258,7 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     shards = {f: shards.get(f) if shards.get(f) is not None else finished_shards(Path(f)) for f in folders}
     seqs, layer_ids = load_pool(folders, shards)
     hf, tok = load_target(cfg.target)
-    trainer = Trainer(cfg, hf, seqs, _mask_token(tok, TargetModel(hf)), layer_ids, tok, say)
+    trainer = Trainer(cfg, hf, seqs, _mask_token(tok, TargetModel(hf, kernels="torch")), layer_ids, tok, say)
     if ckpt is not None:
         trainer.load(ckpt)
         say(f"fit: resumed {ckpt} at step {trainer.step}")
