@@ -213,7 +213,17 @@ def test_the_data_keeps_its_stop_set_through_the_one_stop_id_helper():
 
 # ---- HumanEval-shaped prompts and per-source response limits ------------------------------
 
-def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_path):
+@pytest.fixture(scope="module")
+def stub_pools():
+    """The standard library's function and method stubs and the libraries' stubs, parsed once
+    for the tests below (each parse reads thousands of source files)."""
+    from dflash.train.code_prompts import docstring_functions, library_functions
+
+    return {"functions": docstring_functions(), "methods": docstring_functions(methods=True),
+            "libraries": library_functions()}
+
+
+def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_path, stub_pools):
     from dflash.text import prompts as P
     from dflash.train.code_prompts import docstring_functions, docstring_prompts
     from dflash.train.data import check_no_leaks
@@ -236,8 +246,9 @@ def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_pat
     assert docstring_functions(tmp_path, methods=True) == [  # in a bare class line, indented as written
         ("stdlib/pkg.mod.Box.grow", 'class Box:\n\n    def grow(self, by=1):\n        """Grow the box by `by`, one by '
                                     'default,\n        and return the new size."""\n')]
-    rows = docstring_prompts(400)
-    assert len(rows) == 400 and rows == docstring_prompts(400) and len({t for _, t in rows}) == 400
+    rows = docstring_prompts(400)  # the default pool: the standard library's functions, in a seeded order
+    assert len(rows) == 400 and rows == docstring_prompts(400, pool=stub_pools["functions"])
+    assert len({t for _, t in rows}) == 400
     he = P.humaneval()
     head = he[0].content[: he[0].content.index("```python")]  # the benchmark's own instruction
     assert all(t.startswith(head + "```python\ndef ") and t.endswith('"""\n```') for _, t in rows)
@@ -247,7 +258,7 @@ def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_pat
     assert not any(d in c for d in docs for c in codes)  # no docstring of a stub is in a HumanEval task
     with pytest.raises(DataError, match="evaluation prompts in the training set"):
         check_no_leaks([{"id": "stdlib/x", "dataset": "docstring", "content": he[3].content}])
-    methods = docstring_prompts(400, methods=True)
+    methods = docstring_prompts(400, pool=stub_pools["methods"])
     assert len({t for _, t in methods}) == 400 and not {t for _, t in methods} & {t for _, t in rows}
     assert all(t.startswith(head + "```python\nclass ") and t.endswith('"""\n```') for _, t in methods)
     check_no_leaks([{"id": i, "dataset": "method", "content": t} for i, t in methods])
@@ -255,7 +266,8 @@ def test_standard_library_stubs_are_humaneval_shaped_and_never_humaneval(tmp_pat
     assert not any(d in c for d in docs for c in codes)
 
 
-def test_library_stubs_are_a_new_pool_of_the_same_shape(tmp_path):
+def test_library_stubs_are_a_new_pool_of_the_same_shape(tmp_path, stub_pools, monkeypatch):
+    from dflash.train import code_prompts
     from dflash.text import prompts as P
     from dflash.train.code_prompts import LIBRARIES, docstring_functions, docstring_prompts, library_functions
     from dflash.train.data import check_no_leaks
@@ -267,14 +279,17 @@ def test_library_stubs_are_a_new_pool_of_the_same_shape(tmp_path):
     assert docstring_functions(tmp_path, prefix="lib/x.") == [
         ("lib/x.pkg.mod.keep", 'def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, '
                                'and return it."""\n')]
-    stubs = library_functions()
+    stubs = list(stub_pools["libraries"])
     assert len(stubs) > 3000 and len({t for _, t in stubs}) == len(stubs)
     assert {i.split("/")[1].split(".")[0] for i, _ in stubs} == set(LIBRARIES)  # each library gives stubs
     assert library_functions(("no_such_package_here",)) == []
-    rows = docstring_prompts(3000, seed=5, libraries=True)  # the pool in a seeded order, as the lists take it
+    rows = docstring_prompts(3000, seed=5, pool=stubs)  # the pool in a seeded order, as the lists take it
     random.Random(5).shuffle(stubs)
     assert [i for i, _ in rows] == [i for i, _ in stubs[:3000]]
-    stdlib = {t for _, t in docstring_prompts(5000)} | {t for _, t in docstring_prompts(5000, methods=True)}
+    monkeypatch.setattr(code_prompts, "library_functions", lambda: list(stub_pools["libraries"]))
+    assert docstring_prompts(3000, seed=5, libraries=True) == rows  # `libraries` draws from that pool
+    stdlib = {t for _, t in docstring_prompts(5000, pool=stub_pools["functions"])}
+    stdlib |= {t for _, t in docstring_prompts(5000, pool=stub_pools["methods"])}
     assert not {t for _, t in rows} & stdlib  # a pool apart from the standard library's
     head = P.humaneval()[0].content
     head = head[: head.index("```python")]

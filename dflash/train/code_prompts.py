@@ -204,12 +204,18 @@ def _stub(node: ast.AST) -> ast.FunctionDef | None:
 
 
 def docstring_prompts(n: int = 2000, seed: int = 0, root: str | Path | None = None,
-                      methods: bool = False, libraries: bool = False) -> list[tuple[str, str]]:
+                      methods: bool = False, libraries: bool = False,
+                      pool: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
     """(id, user message) pairs: `n` standard-library stubs (functions, or with `methods` class
     methods; with `libraries`, both from `LIBRARIES` instead) in a seeded order, each asked as
-    the benchmark asks HumanEval (the same instruction, the stub in a Python code block)."""
+    the benchmark asks HumanEval (the same instruction, the stub in a Python code block).
+    `pool`: the (id, stub) pairs to draw from, as `docstring_functions` or `library_functions`
+    returned them (then root, methods and libraries are not read: nothing is parsed again)."""
     from dflash.text.prompts import _HUMANEVAL_INSTRUCTION
 
-    stubs = library_functions() if libraries else docstring_functions(root, methods)
+    if pool is not None:
+        stubs = list(pool)
+    else:
+        stubs = library_functions() if libraries else docstring_functions(root, methods)
     random.Random(seed).shuffle(stubs)
     return [(i, f"{_HUMANEVAL_INSTRUCTION}```python\n{code}```") for i, code in stubs[:n]]
