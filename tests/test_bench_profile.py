@@ -163,8 +163,11 @@ def test_tokens_per_pass_counts_plain_passes_that_tau_leaves_out():
 
     steps = [(0, 0, 1), (4, 3, 4), (0, 0, 1), (6, 1, 2)]  # two plain passes, two with proposals
     rec = Record("suffix-b8", [1] * 9, 3, 1.0, 0.1, steps, prompt_id="p", dataset="d",
-                 extra={"accepted_per_source": {"suffix": 3, "draft": 1}})
+                 extra={"accepted_per_source": {"suffix": 3, "draft": 1}, "draft_passes": 1})
     s = summarize([rec], "d", "suffix-b8", "target", 8)
     assert s.tau == pytest.approx(3.0) and s.tokens_per_pass == pytest.approx(2.0) and s.plain_share == 0.5
     assert s.verified_per_step == pytest.approx(6.0) and s.source_share == {"draft": 0.25, "suffix": 0.75}
-    assert "| d | suffix-b8 | 6.0 | 0.50 | 0.25 | 0.75 |" in markdown_sources([s])
+    assert s.draft_share == 0.25  # the draft ran for one pass of four
+    assert "| d | suffix-b8 | 6.0 | 0.50 | 0.25 | 0.25 | 0.75 |" in markdown_sources([s])
+    old = Record("suffix-b8", [1] * 9, 3, 1.0, 0.1, steps, prompt_id="p", dataset="d")  # a record without the count
+    assert summarize([old], "d", "suffix-b8", "target", 8).draft_share is None

@@ -359,7 +359,7 @@ def test_greedy_steps_equal_the_torch_loop(tiny, kind, case):
                                              TargetModel(AutoModelForCausalLM.from_pretrained(path)),
                                              torch.tensor([ids]), 40, block_size=6, draft_window=5,
                                              draft_threshold=threshold))
-    assert [tuple(s) for s in mlx_steps] == [(s.tokens, s.proposed, s.accepted, s.finish_reason)
+    assert [tuple(s) for s in mlx_steps] == [(s.tokens, s.proposed, s.accepted, s.finish_reason, s.drafted)
                                              for s in torch_steps]
     assert _tokens(mlx_steps) == ref
     proposed = [s.proposed for s in mlx_steps[1:]]

@@ -142,9 +142,14 @@ def test_a_draft_that_does_not_pay_is_skipped_and_probed():
         drafted.append(real())
         return drafted[-1]
     proposer._draft_pays = spy  # our own object's method: counting its answers, not changing them
-    out = gen.dflash_generate(draft, target, ids, 60, None, block_size=8, proposer=proposer)
-    assert torch.equal(out, hf_greedy(model, ids, 60))
+    res = gen.dflash_generate(draft, target, ids, 60, None, block_size=8, proposer=proposer, return_stats=True)
+    assert torch.equal(res.output_ids, hf_greedy(model, ids, 60))
     assert not all(drafted) and sum(drafted) >= 2  # skipped, with a probe every fifth step
+    assert res.stats.num_draft_passes == sum(drafted)  # the steps say when the draft ran
+    chain = gen.dflash_generate(draft, target, ids, 30, None, block_size=8, return_stats=True)
+    assert chain.stats.num_draft_passes == chain.stats.num_drafts > 0  # the chain drafts every step
+    alone = gen.dflash_generate(None, target, ids, 30, None, block_size=8, proposer="suffix", return_stats=True)
+    assert alone.stats.num_draft_passes == 0
 
 
 def test_the_drafts_gain_is_weighed_against_the_same_tree_without_its_nodes():

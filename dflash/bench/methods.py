@@ -146,11 +146,12 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
                     ttft = time.perf_counter() - start
                 else:
                     steps.append((step.proposed, step.accepted, len(step.tokens)))
-                    stats.add(step.proposed, step.accepted, len(step.tokens), step.sources)
+                    stats.add_step(step)
                 tokens += step.tokens
                 finish = step.finish_reason or finish
             total = time.perf_counter() - start
-        extra = {"accepted_per_source": stats.num_accepted_tokens_per_source} if stats.num_drafts else {}
+        extra = {"accepted_per_source": stats.num_accepted_tokens_per_source,
+                 "draft_passes": stats.num_draft_passes} if stats.num_drafts else {}
         name = _loop_name(block_size) if proposer_kind is None else _proposer_name(proposer_kind, block_size)
         name += "-adaptive" if adaptive else ""
         return Record(name, tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb, extra=extra)

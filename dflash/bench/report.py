@@ -60,15 +60,17 @@ def markdown_machine(info: dict) -> str:
 
 def markdown_sources(summaries: list[Summary]) -> str:
     """What each speculative method verified: tokens per verify pass with proposals (a tree's
-    nodes + 1), the share of plain passes, and the share of accepted proposals per source."""
+    nodes + 1), the share of plain passes and of passes the draft model ran for (a hybrid tree
+    runs it only while it pays), and the share of accepted proposals per source."""
     spec = [s for s in summaries if s.verified_per_step is not None]
     if not spec:
         return ""
     sources = sorted({k for s in spec for k in s.source_share})
-    head = ["dataset", "method", "verified/pass", "plain passes"] + [f"accepted from {k}" for k in sources]
+    head = ["dataset", "method", "verified/pass", "plain passes", "draft passes"]
+    head += [f"accepted from {k}" for k in sources]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in spec:
-        cells = [_fmt(s.verified_per_step, ".1f"), _fmt(s.plain_share)]
+        cells = [_fmt(s.verified_per_step, ".1f"), _fmt(s.plain_share), _fmt(s.draft_share)]
         cells += [_fmt(s.source_share.get(k)) if s.source_share else "-" for k in sources]
         lines.append("| " + " | ".join([s.dataset, s.method] + cells) + " |")
     return "\n".join(lines) + "\n"

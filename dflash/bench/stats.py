@@ -119,6 +119,7 @@ class Summary:
     speedup_vs_loop: float | None = None  # as `speedup`, against our own loop at block 1 (what speculation adds)
     tokens_per_pass: float | None = None  # tokens per target pass after the prefill, plain steps included
     plain_share: float | None = None  # share of those passes that verified no proposal
+    draft_share: float | None = None  # share of those passes for which the draft model ran (None: not counted)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,13 +153,15 @@ def summarize(records: list[Record], dataset: str, method: str, baseline: str, b
         for s, c in (r.extra or {}).get("accepted_per_source", {}).items():
             by_source[s] = by_source.get(s, 0) + c
     share = {s: round(c / max(sum(by_source.values()), 1), 3) for s, c in sorted(by_source.items())}
+    counted = [r for r in rs if "draft_passes" in (r.extra or {})]
+    drafted = sum(r.extra["draft_passes"] for r in counted) / max(sum(len(r.steps) for r in counted), 1)
     return Summary(dataset, method, len(rs), sum(r.num_output_tokens for r in rs), tau(steps),
                    histogram(lengths, block_size), per_position_acceptance(steps, block_size),
                    median([r.tokens_per_s for r in rs]), _ms(median([r.time_to_first_token for r in rs])),
                    speedup, median(list(ratios.values())), max((r.peak_memory_mb for r in rs), default=None),
                    verified, share, _median_speedup(rs, loop) if method != baseline else None,
                    sum(lengths) / len(steps) if steps else None,
-                   stats.num_plain_steps / len(steps) if steps else None)
+                   stats.num_plain_steps / len(steps) if steps else None, drafted if counted else None)
 
 
 def _ms(seconds):

@@ -70,7 +70,7 @@ def run_generate(args) -> int:
         if ttft is None:
             ttft = time.perf_counter() - start
         else:
-            stats.add(step.proposed, step.accepted, len(step.tokens), step.sources)
+            stats.add_step(step)
         tokens += step.tokens
         text.append(decoder.push(step.tokens))  # only the new text: no re-decoding of the whole output
         if not args.json:

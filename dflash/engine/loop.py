@@ -41,6 +41,7 @@ class Step:
     accepted: int  # of which accepted
     finish_reason: str | None = None  # "stop", "length" or None while running
     sources: tuple[str, ...] = ()  # per accepted token: the proposer source(s) it came from
+    drafted: bool = False  # whether the draft model ran for this step's proposals
 
 
 @dataclass
@@ -164,9 +165,10 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     empty = Proposal(torch.empty(1, 0, dtype=torch.long, device=last.device))
     while finish is None:
         size = min(block_size, max_new_tokens - generated)  # the block can yield up to `size` tokens
-        block = empty
+        block, drafted = empty, False
         if size > 1 and policy.draft_now():
             block = proposer.propose(ctx_hidden, last, pos, size, policy.needs_confidence)
+            drafted = proposer.drafted  # a tree proposer may skip the draft pass
             if isinstance(block, Proposal):
                 block = block.slice(0, policy.verify_count(block.conf, block.size))
             ctx_hidden = None  # the draft pass consumed the context
@@ -199,7 +201,7 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
         pos, generated = pos + len(new), generated + len(new)
         if finish is None and generated >= max_new_tokens:
             finish = "length"
-        yield Step(new, len(block), n_accepted, finish, sources)
+        yield Step(new, len(block), n_accepted, finish, sources, drafted)
 
 
 def _check_args(draft, target: TargetModel, input_ids, max_new_tokens, block_size, mask_token_id,
@@ -235,7 +237,7 @@ def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Ten
             ttft = time.perf_counter() - start
         else:
             lengths.append(len(step.tokens))
-            stats.add(step.proposed, step.accepted, len(step.tokens), step.sources)
+            stats.add_step(step)
         finish = step.finish_reason or finish
     output_ids = torch.cat([input_ids, torch.tensor([tokens], dtype=torch.long, device=input_ids.device)], dim=1)
     if not return_stats:

@@ -53,6 +53,7 @@ class Proposal:
 class Proposer:
     """The interface the loop drives; `start` and `commit` do nothing unless a proposer keeps text."""
     layer_ids: list[int] | None = None  # target layers whose hidden states it reads (None: none)
+    drafted: bool = False  # whether the last `propose` ran the draft model
 
     def start(self, prompt: Sequence[int]) -> None:
         """The prompt's token ids, before the first step."""
@@ -102,6 +103,7 @@ class DraftHead:
 class DraftProposer(Proposer):
     """The DFlash draft as a proposer: one parallel pass over [last, mask x (size-1)] reading
     the target's hidden states of the committed tokens it has not seen yet."""
+    drafted = True  # every proposal is the draft's pass
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, params: SamplingParams, mask_id: int,
                  generator: torch.Generator | None = None, window: int | None = None, timer: NullTimer = NULL_TIMER,
@@ -201,7 +203,7 @@ class TreeProposer(Proposer):
         self._last: tuple[TokenTree, dict[str, float]] | None = None
         self.probe_every = probe_every
         self._offer = 0  # this step's offer bucket
-        self._drafted = False
+        self.drafted = False
         self._context: torch.Tensor | None = None  # (1, C, kH) context handed over while the draft was skipped
 
     def start(self, prompt: Sequence[int]) -> None:
@@ -230,11 +232,11 @@ class TreeProposer(Proposer):
             builder.add_candidates(cands, weights[source])  # decides whether the draft runs
             offered = max([offered] + [weights[source] * sum(c.scores) for c in cands])
         self._offer = offer_bucket(offered)
-        self._drafted = self.draft is not None and self._draft_pays()
+        self.drafted = self.draft is not None and self._draft_pays()
         if ctx_hidden is not None and self._context is not None:  # the loop hands each context over once
             ctx_hidden = torch.cat([self._context, ctx_hidden], dim=1)  # (1, C, kH)
-        self._context = None if self._drafted else ctx_hidden
-        if self._drafted:
+        self._context = None if self.drafted else ctx_hidden
+        if self.drafted:
             start = time.perf_counter()
             probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
             builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.ids)
@@ -279,7 +281,7 @@ class TreeProposer(Proposer):
         if self.verify_cost is None or len(tree) == 0:
             return len(tree)
         gain = torch.cat([tree.scores.new_zeros(1), tree.scores.cumsum(0)]).tolist()  # (N+1,) expected accepted
-        spent = self.draft_cost if self._drafted else 0.0  # a skipped draft pass costs this step nothing
+        spent = self.draft_cost if self.drafted else 0.0  # a skipped draft pass costs this step nothing
         rate = [(1 + g) / (spent + self.verify_cost(n + 1)) for n, g in enumerate(gain)]
         return max(range(len(rate)), key=rate.__getitem__)
 
@@ -289,7 +291,7 @@ class TreeProposer(Proposer):
         if self._last is not None and path is not None:
             tree, weights = self._last
             self.calibration.observe(tree, path, weights)
-            if self._drafted and self.verify_cost is not None:
+            if self.drafted and self.verify_cost is not None:
                 self._observe_gain(tree, path)
         self._last = None
 

@@ -22,12 +22,16 @@ class SpecStats:
     num_plain_steps: int = 0  # verify steps without proposals (not counted in tau)
     num_tokens: int = 0  # tokens committed by the folded steps, every step's
     num_accepted_tokens_per_source: dict[str, int] = field(default_factory=dict)  # "draft", "suffix", ...
+    num_draft_passes: int = 0  # verify steps for which the draft model ran (a tree may skip it)
 
-    def add(self, proposed: int, accepted: int, committed: int | None = None, sources=()) -> None:
+    def add(self, proposed: int, accepted: int, committed: int | None = None, sources=(),
+            drafted: bool = False) -> None:
         """Fold one step: `proposed` proposals verified, `accepted` of them kept, `committed`
         tokens added (default accepted + 1; less when a stop token or the length cut it);
-        `sources`: per committed proposal, the source(s) that proposed it ("draft+suffix")."""
+        `sources`: per committed proposal, the source(s) that proposed it ("draft+suffix");
+        `drafted`: whether the draft model ran for it."""
         self.num_tokens += accepted + 1 if committed is None else committed
+        self.num_draft_passes += bool(drafted)
         for joined in sources:
             for s in joined.split("+"):
                 self.num_accepted_tokens_per_source[s] = self.num_accepted_tokens_per_source.get(s, 0) + 1
@@ -42,11 +46,15 @@ class SpecStats:
         for k in range(accepted):
             self.num_accepted_tokens_per_pos[k] += 1
 
+    def add_step(self, step) -> None:
+        """Fold one verify step of a loop (engine/loop.py's `Step`, or the MLX loop's)."""
+        self.add(step.proposed, step.accepted, len(step.tokens), getattr(step, "sources", ()), step.drafted)
+
     def merge(self, other: "SpecStats") -> "SpecStats":
         """A new SpecStats with both counts summed."""
         out = SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                         list(self.num_accepted_tokens_per_pos), self.num_plain_steps, self.num_tokens,
-                        dict(self.num_accepted_tokens_per_source))
+                        dict(self.num_accepted_tokens_per_source), self.num_draft_passes + other.num_draft_passes)
         for s, c in other.num_accepted_tokens_per_source.items():
             out.num_accepted_tokens_per_source[s] = out.num_accepted_tokens_per_source.get(s, 0) + c
         out.num_drafts += other.num_drafts
@@ -78,6 +86,7 @@ class SpecStats:
                 "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
                 "num_plain_steps": self.num_plain_steps,
                 "num_accepted_tokens_per_source": dict(self.num_accepted_tokens_per_source),
+                "num_draft_passes": self.num_draft_passes,
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "draft_acceptance_rate": round(self.acceptance_rate, 4)}
 

@@ -82,7 +82,7 @@ def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_tok
                 ttft = time.perf_counter() - start
             tokens += step.tokens
             n_tokens = len(tokens)
-            stats.add(step.proposed, step.accepted, len(step.tokens), step.sources)
+            stats.add_step(step)
             text, hit = stops.feed(decoder.push(step.tokens))
             end = step.finish_reason or _out_of_time(settings, start)
             if end and not hit:  # the end: let out what was held back

@@ -137,7 +137,7 @@ def stream_generate(model, draft: MLXDraftModel | None, tokenizer, prompt, block
             prompt_tps = len(ids) / max(time.perf_counter() - tic, 1e-9)
             tic = time.perf_counter()
         else:  # the prefill token is no verify step
-            stats.add(step.proposed, step.accepted, len(step.tokens))
+            stats.add_step(step)
         generated += len(step.tokens)
         for t in step.tokens:
             if t not in stop:

@@ -38,6 +38,7 @@ class Step(NamedTuple):
     proposed: int  # proposals verified this step (0 for the prefill token and plain steps)
     accepted: int  # of which accepted
     finish_reason: str | None  # "stop", "length" or None while running
+    drafted: bool = False  # whether the draft ran for this step's proposals
 
 
 @dataclass
@@ -196,7 +197,8 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], *, max_tok
     empty = Proposal(mx.zeros((0,), dtype=mx.int32))
     while finish is None:
         size, block = min(block_size, max_tokens - generated), empty  # the block yields up to `size` tokens
-        if size > 1 and policy.draft_now():
+        drafted = size > 1 and policy.draft_now()
+        if drafted:
             block = proposer.propose(ctx_hidden, last, pos, size, policy.needs_confidence)
             block, ctx_hidden = block.slice(0, policy.verify_count(block.conf, block.size)), None
         verify_ids = mx.concatenate([mx.array([last], dtype=mx.int32), block.tokens.astype(mx.int32)])[None]  # (1, 1+K)
@@ -211,4 +213,4 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], *, max_tok
         pos, generated = pos + len(new), generated + len(new)
         if finish is None and generated >= max_tokens:
             finish = "length"
-        yield Step(new, block.size, n_accepted, finish)
+        yield Step(new, block.size, n_accepted, finish, drafted)
