@@ -220,13 +220,14 @@ def test_vllm_serves_our_draft_losslessly_with_our_acceptance(vllm_py, monkeypat
     settings = Settings(block_sizes=(16,))
     settings.vllm = True
     methods = [(BASELINE, hf_method(BASELINE, settings)), ("dflash-b16", loop_method(16, settings))]
-    methods += bv.bench_methods(settings)
+    pool = vb.EnginePool()
+    methods += bv.bench_methods(settings, pool)
     assert [n for n, _ in methods][2:] == ["vllm", "vllm-dflash-b16", "vllm-ngram-b16"], settings.notes
     prompts = [Prompt(f"p{i}", "vllm-test", [{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)]
     try:
         records = run_bench(pipe, prompts, methods, MAX_NEW_TOKENS)
     finally:
-        vb._close_all()
+        pool.close()
 
     mismatches = check_equal(records)
     assert not mismatches, "\n".join(f"{m.prompt_id} {m.method}: token {m.position}: {m.expected} != {m.got}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from dflash.backends.vllm.worker import engine_for, vllm_python
+from dflash.backends.vllm.worker import EnginePool, vllm_python
 from dflash.bench.stats import Record, spec_stats
 from dflash.engine.stats import SpecStats
 
@@ -19,29 +19,31 @@ def wanted(settings) -> bool:
     return bool(getattr(settings, "vllm", False)) or os.environ.get("DFLASH_BENCH_VLLM") == "1"
 
 
-def bench_methods(settings) -> list:
+def bench_methods(settings, pool: EnginePool | None = None) -> list:
     """[(name, method)] for `dflash bench`: `vllm` (plain), and per block size B > 1
     `vllm-dflash-b{B}` (our draft in vLLM) and `vllm-ngram-b{B}` (vLLM's n-gram proposer, B - 1
-    tokens a step). A method is `(pipeline, input_ids, max_new_tokens) -> Record`."""
+    tokens a step). A method is `(pipeline, input_ids, max_new_tokens) -> Record`. The methods
+    share the engines of `pool` (default: a new one, whose engines stop when the process exits)."""
     if not wanted(settings):
         return []
     python = vllm_python()
     if python is None:
         settings.notes.append(VLLM_BENCH_MISSING)
         return []
-    methods = [("vllm", _bench_method("vllm", None, settings, python))]
+    pool = pool if pool is not None else EnginePool(python)
+    methods = [("vllm", _bench_method("vllm", None, settings, pool))]
     for b in dict.fromkeys(settings.block_sizes):
         if b > 1:
-            methods.append((f"vllm-dflash-b{b}", _bench_method(f"vllm-dflash-b{b}", b, settings, python)))
-            methods.append((f"vllm-ngram-b{b}", _bench_method(f"vllm-ngram-b{b}", b, settings, python, ngram=True)))
+            methods.append((f"vllm-dflash-b{b}", _bench_method(f"vllm-dflash-b{b}", b, settings, pool)))
+            methods.append((f"vllm-ngram-b{b}", _bench_method(f"vllm-ngram-b{b}", b, settings, pool, ngram=True)))
     settings.notes.append("vLLM methods run in a worker process (one compute thread pinned to one core, its "
                           "engine loop on another); their peak memory is not measured")
     return methods
 
 
-def _bench_method(name: str, block_size: int | None, settings, python: str, ngram: bool = False):
+def _bench_method(name: str, block_size: int | None, settings, pool: EnginePool, ngram: bool = False):
     def run(pipe, input_ids, max_new_tokens):
-        eng = engine_for(pipe, block_size, python=python, seed=getattr(settings, "seed", 0), ngram=ngram)
+        eng = pool.engine_for(pipe, block_size, seed=getattr(settings, "seed", 0), ngram=ngram)
         r = eng.generate(input_ids, max_new_tokens, pipe.stop_token_ids, getattr(settings, "temperature", 0.0))
         k = block_size - 1 if block_size else 0
         steps = [(k, c - 1, c) for c in r.commits] if block_size else []

@@ -185,7 +185,7 @@ class VLLMEngine:
             self.close()
             raise VLLMUnavailable(f"vLLM worker failed to start: {msg.get('error', msg)} (log: {self.log_path})")
         self.info = msg
-        _LIVE.add(self)
+        atexit.register(self.close)  # a worker left running would outlive this process
         return self
 
     def generate(self, prompt_ids, max_new_tokens: int, stop_token_ids=(), temperature: float = 0.0) -> VLLMResult:
@@ -204,7 +204,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         proc, self.proc = self.proc, None
-        _LIVE.discard(self)
+        atexit.unregister(self.close)
         if proc is None:
             return
         try:
@@ -269,31 +269,43 @@ class VLLMEngine:
             return ""
 
 
-_LIVE: set = set()
+class EnginePool:
+    """The started engines of one benchmark run, one per (target, draft or n-gram, block size,
+    seed), shared by its methods, and the untrained drafts it exported for them (one temporary
+    folder per pipeline). `close()` stops the engines; any left running stop when the process exits."""
 
+    def __init__(self, python: str | None = None):
+        self.python = python
+        self.engines: dict[tuple, VLLMEngine] = {}
+        self.exported: dict[int, str] = {}  # id(pipeline's draft) -> its exported folder
 
-@atexit.register
-def _close_all():
-    for eng in list(_LIVE):
-        eng.close()
+    def engine_for(self, pipe, block_size: int | None, seed: int = 0, ngram: bool = False) -> VLLMEngine:
+        """A started engine for this pipeline's target (and draft at `block_size`, or vLLM's
+        n-gram proposer with `ngram`); a random (untrained) draft is exported first."""
+        target = target_dir(pipe)
+        draft = self.draft_dir(pipe) if block_size and not ngram else None
+        key = (target, draft, block_size, seed, ngram)
+        if key not in self.engines:
+            self.engines[key] = VLLMEngine(target, draft, (block_size or 1) - 1, python=self.python, seed=seed,
+                                           ngram=ngram).start()
+        return self.engines[key]
 
+    def draft_dir(self, pipe) -> str:
+        if pipe.draft_path:
+            return str(pipe.draft_path)
+        key = id(pipe.draft)
+        if key not in self.exported:
+            from dflash.backends.vllm.export import export_draft
 
-_ENGINES: dict = {}  # started engines, shared by the benchmark methods of one process
-_EXPORTED: dict = {}  # exported random drafts, one temporary folder per pipeline
+            tmp = tempfile.mkdtemp(prefix="dflash-vllm-draft-")
+            export_draft(pipe.draft, Path(tmp) / "draft", readme=False)
+            self.exported[key] = str(Path(tmp) / "draft")
+        return self.exported[key]
 
-
-def engine_for(pipe, block_size: int | None, python: str | None = None, seed: int = 0,
-               ngram: bool = False) -> VLLMEngine:
-    """A started engine for this pipeline's target (and draft at `block_size`, or vLLM's n-gram
-    proposer with `ngram`), shared between calls; a random (untrained) draft is exported to a
-    temporary folder first."""
-    target = target_dir(pipe)
-    draft = draft_dir(pipe) if block_size and not ngram else None
-    key = (target, draft, block_size, seed, ngram)
-    if key not in _ENGINES:
-        _ENGINES[key] = VLLMEngine(target, draft, (block_size or 1) - 1, python=python, seed=seed,
-                                   ngram=ngram).start()
-    return _ENGINES[key]
+    def close(self) -> None:
+        for eng in self.engines.values():
+            eng.close()
+        self.engines.clear()
 
 
 def target_dir(pipe) -> str:
@@ -301,19 +313,6 @@ def target_dir(pipe) -> str:
     if not path or not Path(path).is_dir():
         raise VLLMUnavailable(f"vLLM needs the target as an HF folder; this pipeline's target is {path!r}")
     return str(path)
-
-
-def draft_dir(pipe) -> str:
-    if pipe.draft_path:
-        return str(pipe.draft_path)
-    key = id(pipe.draft)
-    if key not in _EXPORTED:
-        from dflash.backends.vllm.export import export_draft
-
-        tmp = tempfile.mkdtemp(prefix="dflash-vllm-draft-")
-        export_draft(pipe.draft, Path(tmp) / "draft", readme=False)
-        _EXPORTED[key] = str(Path(tmp) / "draft")
-    return _EXPORTED[key]
 
 
 # ---- worker (runs in the vLLM interpreter) ------------------------------------------------
