@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Two drafts of the same shape, one after the other, under ONE cost model: the engine's verify
-# and draft cost curves are measured once per machine, target and draft shape and cached
-# (engine/costmodel.py), so the second run reuses what the first measured (run run_cpu.sh
-# first, or let the first run here measure it). Speedups across separate run_cpu.sh runs also
-# move with that start-up measurement; within this script only the draft differs. Each run has
-# its own target-alone baseline, interleaved prompt by prompt. Run it with nothing else on the
-# machine.  A, B: the two draft folders; OUT: where results-a.* and results-b.* go.
+# Two drafts of the same shape in ONE benchmark run: `dflash bench --draft A --compare-draft B`
+# loads the target once and runs the draft's chain and the default (hybrid) with each draft,
+# beside the target alone, on the same prompts, the method order rotating prompt by prompt, so
+# a drift of this machine's speed during the run falls on both drafts alike (two runs one after
+# the other saw the target 10% slower in the second half: session 17). Both drafts share the
+# machine's cost model (engine/costmodel.py: measured once per target and draft shape, then
+# cached). Run it with nothing else on the machine. A, B: the two draft folders; OUT: where
+# results.json and results.md go (B's methods are named METHOD@B).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -13,10 +14,7 @@ OUT=${OUT:-benchmarks/cpu/ab}
 A=${A:?A=the first draft folder}
 B=${B:?B=the second draft folder}
 mkdir -p "$OUT"
-for side in a b; do
-    draft=$A; [ "$side" = b ] && draft=$B
-    $PY -m dflash.cli bench --datasets humaneval math mtbench sharegpt --limit "${LIMIT:-5}" \
-        --max-new-tokens "${TOKENS:-256}" --block-size 16 --proposers hybrid --prompt-lookup 0 \
-        --no-loop-baseline --threads "${THREADS:-2}" --draft "$draft" \
-        --output "$OUT/results-$side.json" --markdown "$OUT/results-$side.md"
-done
+$PY -m dflash.cli bench --datasets humaneval math mtbench sharegpt --limit "${LIMIT:-5}" \
+    --max-new-tokens "${TOKENS:-256}" --block-size 16 --proposers hybrid --prompt-lookup 0 \
+    --no-loop-baseline --threads "${THREADS:-2}" --draft "$A" --compare-draft "$B" \
+    --output "$OUT/results.json" --markdown "$OUT/results.md"

@@ -19,6 +19,7 @@ from dflash.bench.stats import (
     tau,
 )
 from dflash.cli.bench import add_bench
+from dflash.engine.errors import IncompatibleDraftError
 from dflash.engine.target import TargetModel
 from dflash.testing import tiny_draft, tiny_target
 from dflash.text.pipeline import Pipeline
@@ -254,3 +255,44 @@ def test_proposer_methods_stay_exact_and_report_their_sources(pipe):
         assert not share or abs(sum(share.values()) - 1) < 0.01
         assert set(share) <= ({"draft"} if name.startswith("dflash") else {"suffix"} if name.startswith("suffix")
                               else {"draft", "suffix"})
+
+
+def test_a_compared_draft_runs_beside_the_main_one_on_the_same_target(pipe, tmp_path, monkeypatch):
+    """--compare-draft: each method that runs the draft once more with the other checkpoint,
+    on the same target and prompts, interleaved; exact like the others; one view per checkpoint
+    (its trees learn across prompts); a checkpoint that does not fit the target is refused."""
+    other = tiny_draft(pipe.target.model, seed=7, layers=1, block_size=8)
+    other.save_pretrained(tmp_path / "other")
+    calls = {"views": 0, "forwards": 0}
+    real = Pipeline.with_draft
+
+    def counted(self, path):  # our own class: counting the views and their draft's passes
+        view = real(self, path)
+        calls["views"] += 1
+        view.draft.register_forward_hook(lambda *a: calls.__setitem__("forwards", calls["forwards"] + 1))
+        return view
+    monkeypatch.setattr(Pipeline, "with_draft", counted)
+    tag = str(tmp_path / "other")
+    settings = Settings(block_sizes=(8,), prompt_lookup=0, proposers=("suffix", "hybrid"), compare_drafts=(tag,),
+                        cost_source=lambda p: _FlatCost())
+    names = [n for n, _ in build_methods(settings)]
+    assert names[:5] == [BASELINE, "loop-b1", "dflash-b8", "suffix-b8", "hybrid-b8"]
+    assert names[5:7] == [f"dflash-b8@{tag}", f"hybrid-b8@{tag}"]  # loop-b1 and suffix run no draft
+    records = bench.run_bench(pipe, PROMPTS, build_methods(settings), 12, warmup=False)
+    assert bench.check_equal(records) == []  # exact with either draft
+    assert {r.method for r in records} >= {f"dflash-b8@{tag}", f"hybrid-b8@{tag}"}
+    assert calls["views"] == 1 and calls["forwards"] > 0  # one view per checkpoint, for its methods and every prompt
+    other.save_pretrained(tmp_path / "wrong")
+    cfg = json.loads((tmp_path / "wrong" / "config.json").read_text())
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps({**cfg, "num_target_layers": 99}))
+    with pytest.raises(IncompatibleDraftError, match="built for a 99-layer target"):
+        pipe.with_draft(str(tmp_path / "wrong"))
+
+
+class _FlatCost:
+    """A cost model where every verify pass and draft pass costs the same."""
+    def verify_ms(self, n):
+        return 10.0
+
+    def draft_ms(self, block):
+        return 1.0

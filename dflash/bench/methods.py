@@ -40,6 +40,7 @@ class Settings:
     proposers: tuple[str, ...] = ()  # also these proposers at the largest block: "tree", "suffix", "hybrid"
     adaptive: bool = False  # also the draft's chain at the largest block with the adaptive verify policy
     cost_source: Callable | None = None  # pipeline -> its CostModel (sizes trees); None: measured and cached
+    compare_drafts: tuple[str, ...] = ()  # also every draft method with each of these draft checkpoints
     notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
 
     def __post_init__(self):
@@ -252,6 +253,29 @@ def _loop_methods(settings: Settings):
             methods.append((f"{_loop_name(top)}-adaptive", loop_method(top, settings, adaptive=True)))
         methods += [(_proposer_name(k, top), loop_method(top, settings, proposer_kind=k)) for k in settings.proposers]
     return methods
+
+
+@register_provider
+def _compared_draft_methods(settings: Settings):
+    """Every method of `_loop_methods` that runs the draft, once more per checkpoint of
+    `settings.compare_drafts`, named `<method>@<checkpoint>`: the same loaded target, one view
+    of the pipeline per checkpoint (`Pipeline.with_draft`: its own cost model and tree states),
+    so both drafts run in one process on the same prompts, interleaved prompt by prompt, and
+    a drift of the machine's speed during the run falls on both alike."""
+    out = []
+    for path in settings.compare_drafts:
+        views: dict[int, object] = {}  # id(main pipeline) -> its view with this draft
+
+        def view(pipe, path=path, views=views):
+            if id(pipe) not in views:
+                views[id(pipe)] = pipe.with_draft(path)
+            return views[id(pipe)]
+
+        for name, method in _loop_methods(settings):  # fresh closures: their per-pipeline caches are the view's
+            if name == _loop_name(1) or name.startswith("suffix-"):  # no draft in them
+                continue
+            out.append((f"{name}@{path}", lambda pipe, ids, n, m=method, view=view: m(view(pipe), ids, n)))
+    return out
 
 
 @register_provider

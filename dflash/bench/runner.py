@@ -153,7 +153,8 @@ def run_bench_command(args) -> int:
     blocks = tuple(args.block_size or [pipe.draft.config.block_size])
     settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline,
                         tuple(args.draft_vocab), draft_thresholds=tuple(args.draft_threshold),
-                        proposers=tuple(args.proposers), adaptive=args.adaptive)
+                        proposers=tuple(args.proposers), adaptive=args.adaptive,
+                        compare_drafts=tuple(getattr(args, "compare_draft", ())))
     methods = build_methods(settings)
     for note in settings.notes:
         console.print(note, style="yellow", markup=False)

@@ -27,6 +27,9 @@ def add_bench(sub) -> None:
                    "matches of the text), hybrid (both in one tree); trees are sized by this machine's cost model")
     p.add_argument("--adaptive", action="store_true",
                    help="also the draft's chain at the largest block with the adaptive verify policy (cost model)")
+    p.add_argument("--compare-draft", nargs="+", default=[], metavar="DIR",
+                   help="also run every method that uses the draft with these draft checkpoints (named "
+                   "METHOD@DIR), interleaved prompt by prompt with the --draft ones on the same target")
     p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, metavar="S",

@@ -154,6 +154,14 @@ class Pipeline:
         check_compatible(d.config, tgt)
         return cls(tgt, d, tokenizer, True, str(draft), spec or SpecSettings()).warm()
 
+    def with_draft(self, path: str) -> "Pipeline":
+        """This target and tokenizer with the draft checkpoint at `path` (checked against the
+        target), with its own cost model and tree states: one side of a comparison of drafts
+        on the same loaded target (`dflash bench --compare-draft`)."""
+        d = DFlashDraftModel.from_pretrained(path)
+        check_compatible(d.config, self.target)
+        return Pipeline(self.target, d, self.tokenizer, True, str(path), self.spec).warm()
+
     def warm(self) -> "Pipeline":
         """Measure (or read from the cache) this machine's cost model now, when the settings use
         one, as the kernels are measured at load: a first request must not pay for it (the first
