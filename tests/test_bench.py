@@ -278,6 +278,7 @@ def test_a_compared_draft_runs_beside_the_main_one_on_the_same_target(pipe, tmp_
     names = [n for n, _ in build_methods(settings)]
     assert names[:5] == [BASELINE, "loop-b1", "dflash-b8", "suffix-b8", "hybrid-b8"]
     assert names[5:7] == [f"dflash-b8@{tag}", f"hybrid-b8@{tag}"]  # loop-b1 and suffix run no draft
+    assert any(tag in note for note in settings.notes)  # the results file says which draft that is
     records = bench.run_bench(pipe, PROMPTS, build_methods(settings), 12, warmup=False)
     assert bench.check_equal(records) == []  # exact with either draft
     assert {r.method for r in records} >= {f"dflash-b8@{tag}", f"hybrid-b8@{tag}"}

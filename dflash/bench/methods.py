@@ -264,6 +264,7 @@ def _compared_draft_methods(settings: Settings):
     a drift of the machine's speed during the run falls on both alike."""
     out = []
     for path in settings.compare_drafts:
+        settings.notes.append(f"compared draft: {path} (its methods are named METHOD@{path})")
         views: dict[int, object] = {}  # id(main pipeline) -> its view with this draft
 
         def view(pipe, path=path, views=views):
