@@ -85,9 +85,9 @@ def test_a_skipped_draft_pass_is_not_charged_to_the_trees_budget():
     t = torch.tensor
     tree = TokenTree(t([7, 8, 9]), t([-1, 0, 1]), t([1, 2, 3]), t([0.9, 0.5, 0.1]), ("suffix",) * 3)
     proposer = TreeProposer(None, verify_cost=lambda n: float(n), draft_cost=50.0)
-    proposer._drafted = False
+    proposer.drafted = False
     assert proposer._budget(tree) == 0  # 1/1 beats 1.9/2: a plain step
-    proposer._drafted = True
+    proposer.drafted = True
     assert proposer._budget(tree) == 3  # 2.5/54 beats 1/51: the draft's pass is spent anyway
 
 
