@@ -1,9 +1,9 @@
 """The methods `dflash bench` compares, behind one registry.
 
 A method is a callable `(pipeline, input_ids (1, T), max_new_tokens) -> Record`. Providers
-turn the run's settings into methods: `register_provider(fn)` where
-`fn(settings) -> list[(name, method)]`; a provider that cannot run here returns [] and says
-why in `settings.notes` (the vLLM provider does, until vLLM is installed)."""
+turn the run's settings into methods, `fn(settings) -> list[(name, method)]`, listed in
+`PROVIDERS` at the end of this file; a provider that cannot run here returns [] and says why
+in `settings.notes` (the vLLM provider does, until vLLM is installed)."""
 
 from __future__ import annotations
 
@@ -46,14 +46,6 @@ class Settings:
     def __post_init__(self):
         if self.vocab_source is None:
             self.vocab_source = frequent_vocabulary
-
-
-PROVIDERS: list[Callable[[Settings], list[tuple[str, Method]]]] = []
-
-
-def register_provider(fn):
-    PROVIDERS.append(fn)
-    return fn
 
 
 def build_methods(settings: Settings) -> list[tuple[str, Method]]:
@@ -232,7 +224,6 @@ def hf_method(name: str, settings: Settings, **generate_kwargs) -> Method:
     return run
 
 
-@register_provider
 def _hf_methods(settings: Settings):
     methods = [(BASELINE, hf_method(BASELINE, settings))]
     if settings.prompt_lookup:
@@ -241,7 +232,6 @@ def _hf_methods(settings: Settings):
     return methods
 
 
-@register_provider
 def _loop_methods(settings: Settings):
     sizes = ([1] if settings.loop_baseline else []) + [b for b in settings.block_sizes if b > 1]
     methods = [(_loop_name(b), loop_method(b, settings)) for b in dict.fromkeys(sizes)]
@@ -255,7 +245,6 @@ def _loop_methods(settings: Settings):
     return methods
 
 
-@register_provider
 def _compared_draft_methods(settings: Settings):
     """Every method of `_loop_methods` that runs the draft, once more per checkpoint of
     `settings.compare_drafts`, named `<method>@<checkpoint>`: the same loaded target, one view
@@ -279,7 +268,6 @@ def _compared_draft_methods(settings: Settings):
     return out
 
 
-@register_provider
 def _vllm_methods(settings: Settings):
     """vLLM's plain decoding and vLLM + our draft, run in vLLM's own venv (dflash.vllm_backend);
     opt-in with DFLASH_BENCH_VLLM=1 since each engine takes minutes to start."""
@@ -289,3 +277,8 @@ def _vllm_methods(settings: Settings):
         settings.notes.append("vLLM methods are off (set DFLASH_BENCH_VLLM=1; needs scripts/vllm_env.sh)")
         return []
     return bench_methods(settings)
+
+
+# every provider, in the order their methods are listed (the baseline's first)
+PROVIDERS: tuple[Callable[[Settings], list[tuple[str, Method]]], ...] = (
+    _hf_methods, _loop_methods, _compared_draft_methods, _vllm_methods)
