@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the shipped draft dflash/drafts/smollm2-135m-instruct on a CPU machine, in the
-# twelve stages it was trained in. Every step resumes: re-run after an interruption and it continues
+# thirteen stages it was trained in. Every step resumes: re-run after an interruption and it continues
 # where it stopped.
 #   stage 1 (session 2, run main2): the first 26 shards of 64 prompts, an 800-step cosine at lr
 #            1e-3 from the target's layers (the run itself planned 950 steps and was cut to 800 at
@@ -44,7 +44,11 @@
 #   stage 12 (session 17, run h12): stage 11's pool and the 40 shards of data/smollm2-k (a ninth
 #            disjoint prompt list), warm-started from stage 11's best, a longer cosine: 1 000 steps
 #            (the earlier stages' 500 steps saw about a third of their pool once); its last step
-#            is the shipped draft (chosen over step 825, the held-out best, on eval tau)
+#            was shipped in session 17 (chosen over step 825, the held-out best, on eval tau)
+#   stage 13 (session 18, run h13): stage 12's pool again (no new data), warm-started from stage
+#            12's last step, a 2 000-step cosine at a lower peak lr, 3e-4 (1.15 epochs of the pool;
+#            the 5e-4 restarts of earlier stages lost held-out tau for their first 300-500 steps); its
+#            last step is the shipped draft (step 1 725, the held-out best, evaluates the same)
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +76,7 @@ DATA11=${DATA11:-runs/data/smollm2-j}
 RUN11=${RUN11:-runs/fit/h11}
 DATA12=${DATA12:-runs/data/smollm2-k}
 RUN12=${RUN12:-runs/fit/h12}
+RUN13=${RUN13:-runs/fit/h13}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -93,9 +98,9 @@ $PY -m dflash.cli train data --out "$DATA4" --num-prompts 9000 --first-shard 94 
 rebuild() {  # $1 a kept list under data/, $2 its features folder: the features by prefill (missing shards generated)
     $PY -m dflash.cli train data --config "data/$1/data_config.json" --out "$2" --responses "data/$1" --threads "$THREADS"
 }
-warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON[, $5 steps (500)]]: stages 4-12, lr 5e-4, gamma 4
+warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON[, $5 steps (500)[, $6 lr (5e-4)]]]: stages 4-13, gamma 4
     $PY -m dflash.cli train fit --data "$2" --more-data "${4:-[]}" --out "$1" --resume --init-from "$3" \
-        --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr 5e-4 \
+        --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr "${6:-5e-4}" \
         --warmup-frac 0.04 --max-steps "${5:-500}" --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 \
         --gamma 4 --threads "$THREADS"
 }
@@ -116,7 +121,8 @@ rebuild smollm2-j "$DATA11"
 warm "$RUN11" "$DATA5" "$RUN10/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$DATA11\"]"
 rebuild smollm2-k "$DATA12"
 warm "$RUN12" "$DATA5" "$RUN11/best" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$DATA11\", \"$DATA12\"]" 1000
+warm "$RUN13" "$DATA5" "$RUN12/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$DATA11\", \"$DATA12\"]" 2000 3e-4
 $PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" "$RUN11" \
-    "$RUN12" --chain --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 --out docs/training_lineage.png
-$PY -m dflash.cli train ship "$RUN12" --which final --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h11/best (stage 11)"}'
+    "$RUN12" "$RUN13" --chain --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 --out docs/training_lineage.png
+$PY -m dflash.cli train ship "$RUN13" --which final --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h12/final (stage 12)"}'
