@@ -150,9 +150,7 @@ class Pipeline:
                 print("note: no trained draft for this target, using an UNTRAINED random draft: "
                       "output is still exact, but expect tau ~1 and no speedup", file=sys.stderr)
             return cls(tgt, DFlashDraftModel(cfg).eval(), tokenizer, False, None, spec or SpecSettings()).warm()
-        d = DFlashDraftModel.from_pretrained(draft)
-        check_compatible(d.config, tgt)
-        return cls(tgt, d, tokenizer, True, str(draft), spec or SpecSettings()).warm()
+        return cls(tgt, None, tokenizer, False, None, spec or SpecSettings()).with_draft(draft)
 
     def with_draft(self, path: str) -> "Pipeline":
         """This target and tokenizer with the draft checkpoint at `path` (checked against the
