@@ -290,6 +290,28 @@ def test_a_compared_draft_runs_beside_the_main_one_on_the_same_target(pipe, tmp_
         pipe.with_draft(str(tmp_path / "wrong"))
 
 
+def test_a_compared_kernel_setting_runs_on_its_own_adapter_of_the_same_model(pipe):
+    """--compare-kernels: each draft method once more on a second adapter of the same loaded
+    model with the other kernel setting (one view for all its methods), exact like the others."""
+    views = []
+    settings = Settings(block_sizes=(8,), prompt_lookup=0, proposers=("hybrid",), compare_kernels=("torch",),
+                        cost_source=lambda p: _FlatCost())
+    methods = build_methods(settings)
+    assert [n for n, _ in methods][4:] == ["dflash-b8@kernels=torch", "hybrid-b8@kernels=torch"]
+    assert any("kernels=torch" in note for note in settings.notes)
+    real = Pipeline.with_kernels
+
+    def counted(self, mode):
+        views.append(real(self, mode))
+        return views[-1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Pipeline, "with_kernels", counted)
+        records = bench.run_bench(pipe, PROMPTS, methods, 12, warmup=False)
+    assert bench.check_equal(records) == []
+    assert len(views) == 1 and views[0].target.kernels == "torch" and views[0].target.model is pipe.target.model
+    assert views[0].draft is pipe.draft and pipe.target.kernels == "auto"
+
+
 class _FlatCost:
     """A cost model where every verify pass and draft pass costs the same."""
     def verify_ms(self, n):

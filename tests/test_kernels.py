@@ -14,12 +14,13 @@ B = K.BUCKETS
 
 
 def fake(table):
-    """A timer that answers from table[impl] (a per-bucket list, or one number for all)."""
+    """A timer that answers from table[impl] (a per-bucket list, or one number for all; an
+    implementation the table leaves out is slow)."""
     calls = []
 
     def time_fn(fn, x, *, impl, shape, n):
         calls.append((impl, shape, n))
-        v = table[impl]
+        v = table.get(impl, 99.0)
         return v[B.index(n)] if isinstance(v, list) else v
 
     time_fn.calls = calls
@@ -78,7 +79,8 @@ def test_every_candidate_computes_the_same_product():
         ref = torch.nn.functional.linear(x, w, b)
         for name, impl in K.IMPLS.items():
             if impl.available(w):
-                assert torch.allclose(impl.build(w, b)(x), ref, atol=1e-5), (name, n)
+                tol = 1e-5 if impl.exact else 3e-2 * ref.abs().max().item()  # bf16: about 3 digits
+                assert torch.allclose(impl.build(w, b)(x), ref, atol=tol), (name, n)
 
 
 def test_linear_holds_only_the_copies_it_uses_and_dispatches_by_rows():
@@ -274,3 +276,64 @@ def test_the_drafts_linears_run_the_measured_kernels_and_output_stays_exact(tmp_
         draft.fc.weight.mul_(0.5)
     assert target.draft_layout(draft) is not layout  # a trained (changed) draft gets a new layout
     assert TargetModel(model, kernels="torch").draft_layout(draft) is None
+
+
+def _rounded(w, b):
+    """A stand-in approximate candidate that runs on every CPU: the product of bf16-rounded operands."""
+    wr = w.to(torch.bfloat16).float()
+    return lambda x: torch.nn.functional.linear(x.to(torch.bfloat16).float(), wr, b)
+
+
+def test_an_approximate_kernel_serves_only_weights_that_allow_it_in_a_table_that_allows_it(monkeypatch):
+    monkeypatch.setitem(K.IMPLS, "rounded", K.Impl(_rounded, True, exact=False, copy_dtype=torch.bfloat16))
+    w = torch.randn(48, 32)
+    t = fake({"linear": 5.0, "wx": 9.0, "transposed": 4.0, "onednn": 4.0, "rounded": 1.0})
+    table = K.KernelTable(t, approximate=True)
+    exact = table.choice(w, role="q_proj")
+    approx = table.choice(w, role="draft q_proj", approximate=True)
+    assert "rounded" not in exact.impls.values() and set(approx.impls.values()) == {"rounded"}
+    assert table.key_name(w) == "48x32" and table.key_name(w, approximate=True) == "48x32 approx"
+    assert set(table.choices) == {"48x32", "48x32 approx"}  # two choices of one shape, kept apart
+    assert approx.extra_mb() == pytest.approx(48 * 32 * 2 / 2**20)  # a bf16 copy: half an fp32 one
+    lin = table.linear(w, None, role="draft q_proj", approximate=True)
+    assert lin.key == "48x32 approx" and lin.extra_bytes == w.numel() * 2
+    x = torch.randn(1, 5, 32)
+    assert torch.allclose(lin(x), x @ w.T, atol=0.05) and not torch.equal(lin(x), x @ w.T)
+    precise = K.KernelTable(t)  # approximate=False (kernels="precise"): the draft asks, and is refused
+    assert "rounded" not in precise.choice(w, approximate=True).impls.values()
+    assert set(precise.choices) == {"48x32"}
+    rows = {r["shape"]: r for r in table.to_dict()["shapes"]}
+    assert rows["48x32 approx"]["roles"] == ["draft q_proj"] and table.to_dict()["mode"] == "auto"
+    assert precise.to_dict()["mode"] == "precise"
+    wrong = K.Impl(lambda w, b: (lambda x: torch.nn.functional.linear(x, w, b) * 1.5), True, exact=False)
+    monkeypatch.setitem(K.IMPLS, "wrong", wrong)  # approximate is not wrong: a far product is never a candidate
+    assert K.measure(w, None, B, t, reps=1, approximate=True)["wrong"] == [None] * len(B)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "precise"])
+def test_a_draft_on_bf16_kernels_proposes_and_the_output_stays_the_targets(kernels, tmp_path, monkeypatch):
+    """kernels="auto" lets the draft's linears and its lm_head rows take the bf16 kernel where
+    it measures fastest (here the fake timer says so); the target's own linears never do, and
+    greedy output still equals HF's; "precise" keeps the draft at the weights' precision."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    model = tiny_target("llama")
+    target = TargetModel(model, kernels=kernels,
+                         time_fn=fake({"linear": 5.0, "wx": 9.0, "transposed": 4.0, "onednn": 6.0, "onednn_bf16": 1.0}))
+    draft = tiny_draft(model, block_size=8)
+    layout = target.draft_layout(draft)
+    rows = target.head_rows(torch.arange(40))
+    info = target.kernel_info()
+    bf16 = K.IMPLS["onednn_bf16"].available(draft.fc.weight) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    draft_kernels = {k for lin in (layout.fc, *(f for layer in layout.layers for f in layer)) for k in lin.names}
+    assert draft_kernels == ({"onednn_bf16"} if kernels == "auto" and bf16 else {"transposed"})
+    assert all("onednn_bf16" not in r["kernels"] for r in info["shapes"] if not r["shape"].endswith(" approx"))
+    assert all(any(role.startswith("draft") for role in r["roles"]) for r in info["shapes"]
+               if r["shape"].endswith(" approx"))
+    assert info["mode"] == kernels
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    ref = model.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)
+    assert torch.equal(dflash_generate(draft, target, ids, 20, None, block_size=8), ref)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 7, 64, generator=g)
+    with torch.inference_mode():
+        assert torch.allclose(target.logits(hidden, rows), hidden @ model.lm_head.weight[:40].T, atol=0.05)

@@ -41,6 +41,7 @@ class Settings:
     adaptive: bool = False  # also the draft's chain at the largest block with the adaptive verify policy
     cost_source: Callable | None = None  # pipeline -> its CostModel (sizes trees); None: measured and cached
     compare_drafts: tuple[str, ...] = ()  # also every draft method with each of these draft checkpoints
+    compare_kernels: tuple[str, ...] = ()  # also every draft method with each of these kernel settings
     notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
 
     def __post_init__(self):
@@ -245,26 +246,32 @@ def _loop_methods(settings: Settings):
     return methods
 
 
-def _compared_draft_methods(settings: Settings):
-    """Every method of `_loop_methods` that runs the draft, once more per checkpoint of
-    `settings.compare_drafts`, named `<method>@<checkpoint>`: the same loaded target, one view
-    of the pipeline per checkpoint (`Pipeline.with_draft`: its own cost model and tree states),
-    so both drafts run in one process on the same prompts, interleaved prompt by prompt, and
-    a drift of the machine's speed during the run falls on both alike."""
+def _compared_methods(settings: Settings):
+    """Every method of `_loop_methods` that runs the draft, once more per variant: per draft
+    checkpoint of `settings.compare_drafts` (named `<method>@<checkpoint>`, `Pipeline.with_draft`)
+    and per kernel setting of `settings.compare_kernels` (named `<method>@kernels=<mode>`,
+    `Pipeline.with_kernels`). Each variant is one view of the pipeline (its own cost model and
+    tree states) on the same loaded model, so both sides run in one process on the same
+    prompts, interleaved prompt by prompt, and a drift of the machine's speed during the run
+    falls on both alike."""
+    variants = [(path, f"compared draft: {path}", lambda pipe, p=path: pipe.with_draft(p))
+                for path in settings.compare_drafts]
+    variants += [(f"kernels={mode}", f"compared kernel setting: {mode}", lambda pipe, m=mode: pipe.with_kernels(m))
+                 for mode in settings.compare_kernels]
     out = []
-    for path in settings.compare_drafts:
-        settings.notes.append(f"compared draft: {path} (its methods are named METHOD@{path})")
-        views: dict[int, object] = {}  # id(main pipeline) -> its view with this draft
+    for tag, note, build in variants:
+        settings.notes.append(f"{note} (its methods are named METHOD@{tag})")
+        views: dict[int, object] = {}  # id(main pipeline) -> its view
 
-        def view(pipe, path=path, views=views):
+        def view(pipe, build=build, views=views):
             if id(pipe) not in views:
-                views[id(pipe)] = pipe.with_draft(path)
+                views[id(pipe)] = build(pipe)
             return views[id(pipe)]
 
         for name, method in _loop_methods(settings):  # fresh closures: their per-pipeline caches are the view's
             if name == _loop_name(1) or name.startswith("suffix-"):  # no draft in them
                 continue
-            out.append((f"{name}@{path}", lambda pipe, ids, n, m=method, view=view: m(view(pipe), ids, n)))
+            out.append((f"{name}@{tag}", lambda pipe, ids, n, m=method, view=view: m(view(pipe), ids, n)))
     return out
 
 
@@ -281,4 +288,4 @@ def _vllm_methods(settings: Settings):
 
 # every provider, in the order their methods are listed (the baseline's first)
 PROVIDERS: tuple[Callable[[Settings], list[tuple[str, Method]]], ...] = (
-    _hf_methods, _loop_methods, _compared_draft_methods, _vllm_methods)
+    _hf_methods, _loop_methods, _compared_methods, _vllm_methods)

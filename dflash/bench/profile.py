@@ -231,12 +231,11 @@ def cost_model_summary(target, draft, clock: Clock = time.perf_counter, blocks=B
 def time_draft_kernels(target, draft) -> list[str]:
     """The draft's linears in the target adapter's layout (`TargetModel.draft_layout`: measured
     or cached like the target's, and what the loop's draft pass runs), so the report's kernel
-    table holds them. Returns their shapes ([] with kernels="torch")."""
+    table holds them. Returns their table names ([] with kernels="torch")."""
     layout = None if draft is None else target.draft_layout(draft)
     if layout is None:
         return []
-    return sorted({f"{lin.weight.shape[0]}x{lin.weight.shape[1]}"
-                   for lin in (layout.fc, *(f for layer in layout.layers for f in layer))})
+    return sorted({lin.key for lin in (layout.fc, *(f for layer in layout.layers for f in layer))})
 
 
 PROFILE_PROMPT = "Write a Python function that returns the first n prime numbers, with a docstring and a test."

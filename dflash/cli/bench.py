@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash.cli.commands import add_model_args, add_threads, deferred
+from dflash.cli.commands import KERNEL_MODES, add_model_args, add_threads, deferred
 
 BENCH_DATASETS = ("humaneval", "mtbench", "math", "sharegpt")
 
@@ -30,6 +30,9 @@ def add_bench(sub) -> None:
     p.add_argument("--compare-draft", nargs="+", default=[], metavar="DIR",
                    help="also run every method that uses the draft with these draft checkpoints (named "
                    "METHOD@DIR), interleaved prompt by prompt with the --draft ones on the same target")
+    p.add_argument("--compare-kernels", nargs="+", default=[], choices=KERNEL_MODES, metavar="MODE",
+                   help="also run every method that uses the draft with these --kernels settings (named "
+                   "METHOD@kernels=MODE), interleaved prompt by prompt on the same model")
     p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, metavar="S",

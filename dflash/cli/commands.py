@@ -23,10 +23,15 @@ def add_model_args(p) -> None:
     add_kernels(p)
 
 
+KERNEL_MODES = ("auto", "precise", "torch")  # engine/kernels.MODES (not imported: the CLI parses without torch)
+
+
 def add_kernels(p) -> None:
-    p.add_argument("--kernels", choices=("auto", "torch"), default="auto",
-                   help="auto: time the matrix-product kernels of the target's linears at load (cached per machine) "
-                        "and run the fastest; torch: the model's own modules (default: auto)")
+    p.add_argument("--kernels", choices=KERNEL_MODES, default="auto",
+                   help="auto: time the matrix-product kernels of the target's and the draft's linears at load "
+                        "(cached per machine) and run the fastest, the draft's in bf16 where that is faster; "
+                        "precise: the same at the weights' own precision; torch: the models' own modules "
+                        "(default: auto; the output is the target's in every setting)")
 
 
 def add_spec_args(p) -> None:

@@ -183,9 +183,11 @@ class DFlashDraftModel(nn.Module):
 
     def kernel_layout(self, table) -> DraftLayout:
         """This draft's linears as `table`'s measured kernels (a kernels.KernelTable: the
-        target adapter's, so shapes the target shares are measured once)."""
+        target adapter's, so shapes the target shares are measured once). A proposal only
+        changes what the target verifies, so they may run approximate kernels (bf16) where
+        the table allows them and they measure faster."""
         def lin(mod, role):
-            return table.linear(mod.weight, mod.bias, role=f"draft {role}")
+            return table.linear(mod.weight, mod.bias, role=f"draft {role}", approximate=True)
 
         layers = tuple(tuple(lin(getattr(getattr(layer, part), name), name) for part, name in LAYER_LINEARS)
                        for layer in self.layers)

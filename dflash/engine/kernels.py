@@ -15,6 +15,11 @@ Candidates (`IMPLS`, each only where it runs and agrees with F.linear):
 - `transposed`: F.linear on the (out, in) view of a contiguous (in, out) copy, i.e. x @ W^T
   with no transposed operand; one copy.
 - `onednn`: oneDNN's linear on its prepacked weight (torch.ops.mkldnn); one copy.
+- `onednn_bf16`: oneDNN's linear on a bf16 copy of an fp32 weight, the input cast to bf16 and
+  the output back (half the bytes to read; AMX or AVX512-BF16 where the CPU has them). Its
+  products differ from F.linear's in the third digit, so it is **approximate**: only a weight
+  whose caller allows that may get it (the draft's: a proposal changes what is verified, never
+  what is output), and only from a table built with `approximate=True` (kernels="auto").
 
 Memory: a copying layout costs one copy of the weight. A weight holds at most the copies its
 buckets need: the smallest set of layouts within `tolerance` (5%) of the fastest at every
@@ -43,7 +48,7 @@ TOLERANCE = 0.05
 MAX_COPIES = 1  # copies of one decoder weight the adapter may hold (a 135M-parameter fp32 target: ~0.4 GB)
 HEAD_MAX_COPIES = 2  # the lm_head runs on one row every step: a second copy of it may pay
 VERSION = 1  # bump when the candidates or the measurement change: cached choices measure again
-MODES = ("auto", "torch")
+MODES = ("auto", "precise", "torch")  # precise: measured kernels, none approximate
 
 TimeFn = Callable[..., float]  # time_fn(fn, x, *, impl, shape, n) -> seconds per call of fn(x)
 
@@ -85,16 +90,33 @@ def _onednn(w, b):
     return fn
 
 
+def _onednn_bf16(w, b):
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
+    bias = None if b is None else b.to(torch.bfloat16)
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def fn(x):
+        return op(x.to(torch.bfloat16), packed, bias, "none", [], "").to(x.dtype)
+
+    return fn
+
+
 def _onednn_available(w) -> bool:
     return (w.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and w.dtype in (torch.float32, torch.bfloat16)
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def _onednn_bf16_available(w) -> bool:
+    return w.dtype == torch.float32 and _onednn_available(w)
+
+
 class Impl(NamedTuple):
     build: Callable  # (weight (out, in), bias or None) -> fn(x (..., in)) -> (..., out)
     copies: bool  # holds its own copy of the weight
     available: Callable = lambda w: True
+    exact: bool = True  # agrees with F.linear to the weight's precision (False: approximate, see above)
+    copy_dtype: torch.dtype | None = None  # its copy's dtype when not the weight's
 
 
 IMPLS: dict[str, Impl] = {
@@ -102,7 +124,16 @@ IMPLS: dict[str, Impl] = {
     "wx": Impl(_wx, False),
     "transposed": Impl(_transposed, True),
     "onednn": Impl(_onednn, True, _onednn_available),
+    "onednn_bf16": Impl(_onednn_bf16, True, _onednn_bf16_available, exact=False, copy_dtype=torch.bfloat16),
 }
+
+
+def copy_bytes(name: str, numel: int, itemsize: int) -> int:
+    """The bytes candidate `name`'s copy of a weight of `numel` elements (`itemsize` each) takes."""
+    impl = IMPLS[name]
+    if not impl.copies:
+        return 0
+    return numel * (itemsize if impl.copy_dtype is None else impl.copy_dtype.itemsize)
 
 
 def wall_time(fn, x, *, impl=None, shape=None, n=None, budget: float = 2e-3, max_calls: int = 200) -> float:
@@ -134,7 +165,7 @@ class ShapeChoice:
         return sorted({i for i in self.impls.values() if IMPLS[i].copies})
 
     def extra_mb(self, itemsize: int = 4) -> float:
-        return len(self.copies) * self.shape[0] * self.shape[1] * itemsize / 2**20
+        return sum(copy_bytes(c, self.shape[0] * self.shape[1], itemsize) for c in self.copies) / 2**20
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -191,34 +222,38 @@ def choose(times: dict[str, list[float | None]], buckets: Sequence[int], toleran
     return ShapeChoice(tuple(shape), tuple(buckets), impls, us)
 
 
-def _agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
+def _agrees(y: torch.Tensor, ref: torch.Tensor, exact: bool = True) -> bool:
+    """y is F.linear's product `ref`, to the weight's precision (bf16's where not `exact`)."""
     if y.shape != ref.shape or not torch.isfinite(y).all():
         return False
-    tol = 1e-4 if ref.dtype == torch.float32 else 2e-2
+    tol = 1e-4 if ref.dtype == torch.float32 and exact else 2e-2
     return bool((y.float() - ref.float()).abs().max() <= tol * (ref.float().abs().max() + 1e-6))
 
 
 @torch.inference_mode()
 def measure(weight: torch.Tensor, bias: torch.Tensor | None, buckets: Sequence[int] = BUCKETS,
-            time_fn: TimeFn = wall_time, reps: int = 3, impls: Sequence[str] | None = None) -> dict[str, list]:
+            time_fn: TimeFn = wall_time, reps: int = 3, impls: Sequence[str] | None = None,
+            approximate: bool = False) -> dict[str, list]:
     """Seconds per product of each candidate at each bucket (the minimum over `reps`
     interleaved rounds: a busy machine slows every candidate of a round alike). A candidate
-    that does not build or run here, or disagrees with F.linear, gets None throughout."""
+    that does not build or run here, or disagrees with F.linear, gets None throughout; the
+    approximate ones are candidates only with `approximate`."""
     shape = tuple(weight.shape)
     g = torch.Generator(device="cpu").manual_seed(0)
     xs = {n: torch.randn(1, n, shape[1], generator=g).to(weight.device, weight.dtype) for n in buckets}
+    names = [n for n in (impls or IMPLS) if IMPLS[n].exact or approximate]
     fns = {}
-    for name in impls or IMPLS:
+    for name in names:
         impl = IMPLS[name]
         try:
             if not impl.available(weight):
                 continue
             fn = impl.build(weight, bias)
-            if all(_agrees(fn(x), F.linear(x, weight, bias)) for x in (xs[buckets[0]], xs[buckets[-1]])):
+            if all(_agrees(fn(x), F.linear(x, weight, bias), impl.exact) for x in (xs[buckets[0]], xs[buckets[-1]])):
                 fns[name] = fn
         except (RuntimeError, TypeError, AttributeError, NotImplementedError):
             continue
-    times = {name: [None] * len(buckets) for name in impls or IMPLS}
+    times = {name: [None] * len(buckets) for name in names}
     for n in buckets:  # warm-up: each candidate's first call at each size (allocations, packing)
         for fn in fns.values():
             fn(xs[n])
@@ -230,36 +265,45 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, buckets: Sequence[i
     return times
 
 
-def cache_key(shape, dtype, buckets, reps: int) -> dict:
+def cache_key(shape, dtype, buckets, reps: int, approximate: bool = False) -> dict:
     return {**machine.machine_key(), "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-            "buckets": list(buckets), "impls": list(IMPLS), "reps": reps, "version": VERSION}
+            "buckets": list(buckets), "impls": list(IMPLS), "reps": reps, "version": VERSION,
+            "approximate": approximate}
 
 
 class KernelTable:
     """The choices of one adapter, measured (or read from the cache) one shape at a time."""
 
     def __init__(self, time_fn: TimeFn | None = None, use_cache: bool | None = None, reps: int = 3,
-                 tolerance: float = TOLERANCE, max_copies: int = MAX_COPIES):
+                 tolerance: float = TOLERANCE, max_copies: int = MAX_COPIES, approximate: bool = False):
         """`time_fn`: the timer (default: wall clock; a test passes fake timings). The disk
-        cache is used by default with the real timer only."""
+        cache is used by default with the real timer only. `approximate`: a weight whose caller
+        allows it (`approximate=True`: the draft's) may get an approximate kernel."""
         self.time_fn = time_fn or wall_time
         self.use_cache = time_fn is None if use_cache is None else use_cache
         self.reps, self.tolerance, self.max_copies = reps, tolerance, max_copies
+        self.approximate = approximate
         self.choices: dict[str, ShapeChoice] = {}
         self.roles: dict[str, list[str]] = {}
         self.measure_s = 0.0  # time spent measuring (0 when everything came from the cache)
         self.cached: list[str] = []  # shapes read from the cache
 
+    def key_name(self, weight: torch.Tensor, approximate: bool = False) -> str:
+        """The table's name of a weight shape's choice: "576x1536", "576x1536 approx" when the
+        weight may take approximate kernels (a choice apart from the exact one of that shape)."""
+        return f"{weight.shape[0]}x{weight.shape[1]}" + (" approx" if approximate and self.approximate else "")
+
     def choice(self, weight: torch.Tensor, bias: torch.Tensor | None = None, buckets: Sequence[int] = BUCKETS,
-               role: str | None = None, max_copies: int | None = None) -> ShapeChoice:
-        key_name = f"{weight.shape[0]}x{weight.shape[1]}"
+               role: str | None = None, max_copies: int | None = None, approximate: bool = False) -> ShapeChoice:
+        approximate = approximate and self.approximate
+        key_name = self.key_name(weight, approximate)
         if role is not None and role not in self.roles.setdefault(key_name, []):
             self.roles[key_name].append(role)
         found = self.choices.get(key_name)
         if found is not None and tuple(found.buckets) == tuple(buckets):
             return found
         max_copies = self.max_copies if max_copies is None else max_copies
-        key = {**cache_key(weight.shape, weight.dtype, buckets, self.reps), "max_copies": max_copies}
+        key = {**cache_key(weight.shape, weight.dtype, buckets, self.reps, approximate), "max_copies": max_copies}
         cached = machine.read_cached("kernels", key) if self.use_cache else None
         if machine.stale(cached):
             cached = None
@@ -268,7 +312,7 @@ class KernelTable:
             self.cached.append(key_name)
         else:
             start, load = time.perf_counter(), machine.load_average()
-            times = measure(weight, bias, buckets, self.time_fn, self.reps)
+            times = measure(weight, bias, buckets, self.time_fn, self.reps, approximate=approximate)
             found = choose(times, buckets, self.tolerance, tuple(weight.shape), max_copies)
             self.measure_s += time.perf_counter() - start
             if self.use_cache:
@@ -277,19 +321,22 @@ class KernelTable:
         return found
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, buckets: Sequence[int] = BUCKETS,
-               role: str | None = None, max_copies: int | None = None) -> "Linear":
-        return Linear(weight, bias, self.choice(weight, bias, buckets, role, max_copies))
+               role: str | None = None, max_copies: int | None = None, approximate: bool = False) -> "Linear":
+        """`weight` in this table's layout; `approximate`: its caller allows approximate kernels."""
+        choice = self.choice(weight, bias, buckets, role, max_copies, approximate)
+        return Linear(weight, bias, choice, self.key_name(weight, approximate))
 
     def to_dict(self, itemsize: int = 4, counts: dict[str, int] | None = None) -> dict:
         """The table for reports: per shape its roles, kernel per bucket, times, and the MB
-        its copies cost (times the number of weights of that shape in `counts`)."""
+        its copies cost (times the number of weights of that shape in `counts`, by key name:
+        the approximate choice of a shape is a row apart)."""
         rows = []
         for name, c in self.choices.items():
             k = 1 if counts is None else counts.get(name, 0)  # weights of that shape held now
             rows.append({"shape": name, "roles": self.roles.get(name, []), "weights": k,
                          "buckets": list(c.buckets), "kernels": [c.impls[b] for b in c.buckets],
                          "copies": c.copies, "extra_mb": round(k * c.extra_mb(itemsize), 1), "times_us": c.times_us})
-        return {"mode": "auto", "shapes": rows, "extra_mb": round(sum(r["extra_mb"] for r in rows), 1),
+        return {"mode": "auto" if self.approximate else "precise", "shapes": rows, "extra_mb": round(sum(r["extra_mb"] for r in rows), 1),
                 "measure_s": round(self.measure_s, 2), "cached": list(self.cached)}
 
 
@@ -297,12 +344,14 @@ class Linear:
     """One weight in the adapter's layout: the chosen kernel per bucket, built once. Holds only
     the copies its buckets use; `linear`/`wx` run on the model's own weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: ShapeChoice):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: ShapeChoice, key: str | None = None):
+        """`key`: the table's name of the choice (default: the shape's)."""
         built = {name: IMPLS[name].build(weight, bias) for name in dict.fromkeys(choice.impls.values())}
         self.buckets = tuple(choice.buckets)
         self.fns = tuple(built[choice.impls[b]] for b in self.buckets)
         self.names = tuple(choice.impls[b] for b in self.buckets)
-        self.extra_bytes = len(choice.copies) * weight.numel() * weight.element_size()
+        self.key = key or f"{weight.shape[0]}x{weight.shape[1]}"
+        self.extra_bytes = sum(copy_bytes(c, weight.numel(), weight.element_size()) for c in choice.copies)
         self.weight = weight
         if "transposed" in built and "linear" not in built and "wx" not in built:
             self.weight = built["transposed"].keywords["weight"]  # the same values, on the copy

@@ -28,7 +28,10 @@ class TargetModel:
         lm_head at load (on CPU; cached per machine, so once) and runs the fastest from the
         adapter's own weight layout (engine/kernels.py; the model is not changed; its weights
         are copied where a kernel wants another layout, so weights changed afterwards are seen
-        by a new TargetModel only); "torch" runs the model's own modules, HF's numbers exactly.
+        by a new TargetModel only), and lets the draft's linears (and its lm_head rows) take an
+        approximate kernel, bf16, where that measures faster (a proposal changes what is
+        verified, not the output); "precise" measures the same but keeps every product at the
+        weights' precision; "torch" runs the model's own modules, HF's numbers exactly.
         `time_fn`: the kernel timer (tests pass fake timings; nothing is cached then)."""
         if kernels not in kernel_choice.MODES:
             raise ValueError(f"kernels must be one of {kernel_choice.MODES}, got {kernels!r}")
@@ -68,9 +71,9 @@ class TargetModel:
         self._head: kernel_choice.Linear | None = None
         self._rows: dict[int, tuple] = {}  # id(head_rows tensor) -> (weakref to it, its Linear)
         self._drafts: dict[int, tuple] = {}  # id(draft) -> (weakref to it, its weights' version, its DraftLayout)
-        if self.kernels != "auto":
+        if self.kernels == "torch":
             return
-        self.kernel_table = kernel_choice.KernelTable(time_fn)
+        self.kernel_table = kernel_choice.KernelTable(time_fn, approximate=self.kernels == "auto")
         if self.static and kernel_choice.supports_mlp(self.model):
             self.linears = kernel_choice.DecoderLinears(self.model, self.kernel_table)
         if isinstance(self.head, nn.Linear):
@@ -87,8 +90,7 @@ class TargetModel:
                   for lin in (layout.fc, *(f for layer in layout.layers for f in layer))]
         for lin in [self._head] + [lin for ref, lin in self._rows.values() if ref() is not None] + drafts:
             if lin is not None:
-                name = f"{lin.weight.shape[0]}x{lin.weight.shape[1]}"
-                counts[name] = counts.get(name, 0) + 1
+                counts[lin.key] = counts.get(lin.key, 0) + 1
         return self.kernel_table.to_dict(self.embed_weight.element_size(), counts)
 
     @property
@@ -120,15 +122,16 @@ class TargetModel:
         return logits
 
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The lm_head rows of `ids` (K,) as one (K, H) matrix; with kernels="auto", in the
-        layout its measured kernel wants (`logits(hidden, rows)` then runs that kernel)."""
+        """The lm_head rows of `ids` (K,) as one (K, H) matrix, for the draft's proposals; with
+        measured kernels, in the layout its kernel wants (`logits(hidden, rows)` then runs
+        that kernel, which may be approximate as the draft's linears are)."""
         if getattr(self.head, "bias", None) is not None:
             raise ValueError("a draft vocabulary needs an lm_head without bias")
         rows = self.head.weight.index_select(0, ids.to(self.head.weight.device)).contiguous()
         if self.kernel_table is None:
             return rows
         lin = self.kernel_table.linear(rows, None, kernel_choice.HEAD_BUCKETS, role="draft lm_head",
-                                       max_copies=kernel_choice.HEAD_MAX_COPIES)
+                                       max_copies=kernel_choice.HEAD_MAX_COPIES, approximate=True)
         rows = lin.weight  # the copy itself when its kernel needs no other layout
         self._rows = {k: v for k, v in self._rows.items() if v[0]() is not None}
         self._rows[id(rows)] = (weakref.ref(rows), lin)

@@ -160,6 +160,13 @@ class Pipeline:
         check_compatible(d.config, self.target)
         return Pipeline(self.target, d, self.tokenizer, True, str(path), self.spec).warm()
 
+    def with_kernels(self, kernels: str) -> "Pipeline":
+        """This model, tokenizer and draft on a new target adapter with the kernel setting
+        `kernels` (engine/target.py), with its own cost model and tree states: one side of a
+        comparison of kernel settings on the same loaded model (`dflash bench --compare-kernels`)."""
+        target = TargetModel(self.target.model, kernels=kernels)
+        return Pipeline(target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec).warm()
+
     def warm(self) -> "Pipeline":
         """Measure (or read from the cache) this machine's cost model now, when the settings use
         one, as the kernels are measured at load: a first request must not pay for it (the first
