@@ -336,7 +336,8 @@ class KernelTable:
             rows.append({"shape": name, "roles": self.roles.get(name, []), "weights": k,
                          "buckets": list(c.buckets), "kernels": [c.impls[b] for b in c.buckets],
                          "copies": c.copies, "extra_mb": round(k * c.extra_mb(itemsize), 1), "times_us": c.times_us})
-        return {"mode": "auto" if self.approximate else "precise", "shapes": rows, "extra_mb": round(sum(r["extra_mb"] for r in rows), 1),
+        return {"mode": "auto" if self.approximate else "precise", "shapes": rows,
+                "extra_mb": round(sum(r["extra_mb"] for r in rows), 1),
                 "measure_s": round(self.measure_s, 2), "cached": list(self.cached)}
 
 
