@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the shipped draft dflash/drafts/smollm2-135m-instruct on a CPU machine, in the
-# thirteen stages it was trained in. Every step resumes: re-run after an interruption and it continues
+# fourteen stages it was trained in. Every step resumes: re-run after an interruption and it continues
 # where it stopped.
 #   stage 1 (session 2, run main2): the first 26 shards of 64 prompts, an 800-step cosine at lr
 #            1e-3 from the target's layers (the run itself planned 950 steps and was cut to 800 at
@@ -48,7 +48,10 @@
 #   stage 13 (session 18, run h13): stage 12's pool again (no new data), warm-started from stage
 #            12's last step, a 2 000-step cosine at a lower peak lr, 3e-4 (1.15 epochs of the pool;
 #            the 5e-4 restarts of earlier stages lost held-out tau for their first 300-500 steps); its
-#            last step is the shipped draft (step 1 725, the held-out best, evaluates the same)
+#            last step was shipped in session 18 (step 1 725, the held-out best, evaluates the same)
+#   stage 14 (session 19, run h14): the same pool a third time, warm-started from stage 13's last
+#            step, a 1 000-step cosine at peak lr 2e-4 (session 19 ran it on 1 thread beside a
+#            3-layer arm); its last step is the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +80,7 @@ RUN11=${RUN11:-runs/fit/h11}
 DATA12=${DATA12:-runs/data/smollm2-k}
 RUN12=${RUN12:-runs/fit/h12}
 RUN13=${RUN13:-runs/fit/h13}
+RUN14=${RUN14:-runs/fit/h14}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -122,7 +126,9 @@ warm "$RUN11" "$DATA5" "$RUN10/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$
 rebuild smollm2-k "$DATA12"
 warm "$RUN12" "$DATA5" "$RUN11/best" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$DATA11\", \"$DATA12\"]" 1000
 warm "$RUN13" "$DATA5" "$RUN12/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$DATA11\", \"$DATA12\"]" 2000 3e-4
+warm "$RUN14" "$DATA5" "$RUN13/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$DATA11\", \"$DATA12\"]" 1000 2e-4
 $PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" "$RUN11" \
-    "$RUN12" "$RUN13" --chain --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 --out docs/training_lineage.png
-$PY -m dflash.cli train ship "$RUN13" --which final --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h12/final (stage 12)"}'
+    "$RUN12" "$RUN13" "$RUN14" --chain --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 \
+    --out docs/training_lineage.png
+$PY -m dflash.cli train ship "$RUN14" --which final --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h13/final (stage 13)"}'
