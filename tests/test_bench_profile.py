@@ -125,16 +125,25 @@ def test_profile_command_end_to_end_with_both_kernel_settings(tmp_path, monkeypa
 
 
 def test_the_drafts_linear_shapes_are_timed_for_the_table(tmp_path, monkeypatch):
+    """The draft's linears are in the kernel table: with kernels="auto" as choices of their own
+    (they may take approximate kernels, the target's never do), with "precise" sharing the
+    target's choice of the same shape."""
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     model = tiny_target("llama")
     target = TargetModel(model, time_fn=lambda fn, x, **kw: 1.0)
     draft = tiny_draft(model)
     shapes = bp.time_draft_kernels(target, draft)
     fc = f"{draft.fc.weight.shape[0]}x{draft.fc.weight.shape[1]}"
-    assert fc in shapes and "64x64" in shapes
+    assert f"{fc} approx" in shapes and "64x64 approx" in shapes
     rows = {r["shape"]: r for r in target.kernel_info()["shapes"]}
+    roles = rows[f"{fc} approx"]["roles"]  # apart from the target's down_proj of that shape
+    assert "draft fc" in roles and all(r.startswith("draft ") for r in roles)
+    assert rows["64x64 approx"]["roles"] == ["draft q_proj", "draft o_proj"]
+    assert rows["64x64"]["weights"] == 8 and rows["64x64 approx"]["weights"] == 2 * len(draft.layers)
+    precise = TargetModel(model, kernels="precise", time_fn=lambda fn, x, **kw: 1.0)
+    assert "64x64" in bp.time_draft_kernels(precise, draft)
+    rows = {r["shape"]: r for r in precise.kernel_info()["shapes"]}
     assert "draft fc" in rows[fc]["roles"]  # its shape may be a target shape too (down_proj here)
-    assert "draft q_proj" in rows["64x64"]["roles"]
     assert rows["64x64"]["weights"] == 8 + 2 * len(draft.layers)  # the target's q, o and the draft's, applied
     assert bp.time_draft_kernels(TargetModel(model, kernels="torch"), draft) == []
 
