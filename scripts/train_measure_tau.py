@@ -3,7 +3,9 @@
     .venv/bin/python scripts/train_measure_tau.py DRAFT_DIR [--n 10] [--tokens 128] [--json out.json]
 
 Prompts: reasoning-gym math (evaluation seeds), HumanEval, MT-Bench first turns: none of
-them is in the training data. One thread, so it can run beside other jobs."""
+them is in the training data. One thread, so it can run beside other jobs. The draft runs at
+its weights' precision (`--kernels precise`, as in every session's eval before session 19;
+`auto` lets its linears take bf16 kernels as the engine's default does)."""
 
 import argparse
 import json
@@ -27,11 +29,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kernels", choices=("auto", "precise", "torch"), default="precise")
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     hf, tok = load_target(None)
-    target = TargetModel(hf)
+    target = TargetModel(hf, kernels=a.kernels)
     draft = DFlashDraftModel.from_pretrained(a.draft)
     stop = data_stop_ids(tok)
     sets = {"math": P.math(limit=a.n), "code": P.humaneval(limit=a.n), "chat": P.mtbench(limit=a.n)}
