@@ -286,7 +286,7 @@ def _rounded(w, b):
 
 def test_an_approximate_kernel_serves_only_weights_that_allow_it_in_a_table_that_allows_it(monkeypatch):
     monkeypatch.setitem(K.IMPLS, "rounded", K.Impl(_rounded, True, exact=False, copy_dtype=torch.bfloat16))
-    w = torch.randn(48, 32)
+    w = torch.randn(48, 32, generator=torch.Generator().manual_seed(1))
     t = fake({"linear": 5.0, "wx": 9.0, "transposed": 4.0, "onednn": 4.0, "rounded": 1.0})
     table = K.KernelTable(t, approximate=True)
     exact = table.choice(w, role="q_proj")
@@ -297,8 +297,9 @@ def test_an_approximate_kernel_serves_only_weights_that_allow_it_in_a_table_that
     assert approx.extra_mb() == pytest.approx(48 * 32 * 2 / 2**20)  # a bf16 copy: half an fp32 one
     lin = table.linear(w, None, role="draft q_proj", approximate=True)
     assert lin.key == "48x32 approx" and lin.extra_bytes == w.numel() * 2
-    x = torch.randn(1, 5, 32)
-    assert torch.allclose(lin(x), x @ w.T, atol=0.05) and not torch.equal(lin(x), x @ w.T)
+    x = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(0))
+    ref = x @ w.T
+    assert torch.allclose(lin(x), ref, atol=2e-2 * ref.abs().max().item()) and not torch.equal(lin(x), ref)
     precise = K.KernelTable(t)  # approximate=False (kernels="precise"): the draft asks, and is refused
     assert "rounded" not in precise.choice(w, approximate=True).impls.values()
     assert set(precise.choices) == {"48x32"}
@@ -323,7 +324,7 @@ def test_a_draft_on_bf16_kernels_proposes_and_the_output_stays_the_targets(kerne
     layout = target.draft_layout(draft)
     rows = target.head_rows(torch.arange(40))
     info = target.kernel_info()
-    bf16 = K.IMPLS["onednn_bf16"].available(draft.fc.weight) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16 = K.IMPLS["onednn_bf16"].available(draft.fc.weight)  # False on a CPU without bf16 products
     draft_kernels = {k for lin in (layout.fc, *(f for layer in layout.layers for f in layer)) for k in lin.names}
     assert draft_kernels == ({"onednn_bf16"} if kernels == "auto" and bf16 else {"transposed"})
     assert all("onednn_bf16" not in r["kernels"] for r in info["shapes"] if not r["shape"].endswith(" approx"))
@@ -336,4 +337,5 @@ def test_a_draft_on_bf16_kernels_proposes_and_the_output_stays_the_targets(kerne
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 7, 64, generator=g)
     with torch.inference_mode():
-        assert torch.allclose(target.logits(hidden, rows), hidden @ model.lm_head.weight[:40].T, atol=0.05)
+        ref = hidden @ model.lm_head.weight[:40].T
+        assert torch.allclose(target.logits(hidden, rows), ref, atol=2e-2 * ref.abs().max().item())

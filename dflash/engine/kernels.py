@@ -108,7 +108,9 @@ def _onednn_available(w) -> bool:
 
 
 def _onednn_bf16_available(w) -> bool:
-    return w.dtype == torch.float32 and _onednn_available(w)
+    """oneDNN's bf16 products need AVX512 (BW, VL, DQ), AVX-NE-CONVERT or AMX; torch refuses them elsewhere."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return w.dtype == torch.float32 and _onednn_available(w) and supported is not None and bool(supported())
 
 
 class Impl(NamedTuple):
