@@ -14,6 +14,7 @@ import time
 import torch
 
 from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.kernels import MODES
 from dflash.engine.loop import dflash_generate
 from dflash.engine.stats import SpecStats
 from dflash.engine.target import TargetModel
@@ -29,7 +30,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--kernels", choices=("auto", "precise", "torch"), default="precise")
+    ap.add_argument("--kernels", choices=MODES, default="precise")
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

@@ -111,6 +111,8 @@ def test_target_adapter_uses_the_fake_timers_choice_and_leaves_the_model_alone(t
     assert TargetModel(model, kernels="torch").kernel_info() == {"mode": "torch"}
     with pytest.raises(ValueError):
         TargetModel(model, kernels="fast")
+    from dflash.cli.commands import KERNEL_MODES
+    assert KERNEL_MODES == K.MODES  # the CLI's copy (it parses without importing torch)
 
 
 def test_the_choice_is_cached_per_machine_so_a_second_start_measures_nothing(tmp_path, monkeypatch):
