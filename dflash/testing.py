@@ -190,3 +190,22 @@ def transition_pvalue(tokens: list[int], table) -> float:
             exp.extend(e)
         rows += 1
     return float(chisquare(obs, exp, ddof=rows - 1).pvalue)  # one constraint per row: its total
+
+
+def fake_timer(table: dict, per_call: float = 0.0):
+    """A stand-in for the kernel timer (engine/kernels.py's `TimeFn`), so that a test decides
+    what "measures fastest": seconds from table[impl] (a list per bucket of kernels.BUCKETS, or
+    one number for all; an implementation the table leaves out is slow), times the weight's
+    size in thousands of elements (a stack of weights costs their sum), plus `per_call` (a
+    fixed cost per product, which stacking saves). Its `calls` list records (impl, shape, n)."""
+    from dflash.engine.kernels import BUCKETS
+
+    calls = []
+
+    def time_fn(fn, x, *, impl, shape, n):
+        calls.append((impl, shape, n))
+        v = table.get(impl, 99.0)
+        return (v[BUCKETS.index(n)] if isinstance(v, list) else v) * shape[0] * shape[1] / 1000 + per_call
+
+    time_fn.calls = calls
+    return time_fn

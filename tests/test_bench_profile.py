@@ -3,7 +3,7 @@ exactly with a fake clock), overhead ratio, cost curves, the op split, the repor
 
 import pytest
 import torch
-from dflash.testing import tiny_draft, tiny_target
+from dflash.testing import fake_timer, tiny_draft, tiny_target
 
 from dflash.bench import profile as bp
 from dflash.bench.report import comparison_markdown, kernel_markdown, plot_cost_curve, profile_markdown
@@ -91,9 +91,7 @@ def test_overhead_curves_ops_and_report(models, tmp_path):
 def test_kernel_markdown_shows_the_fake_timers_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
 
-    def time_fn(fn, x, *, impl, shape, n):
-        return {"linear": 2.0, "wx": 3.0, "transposed": 1.0 if n > 1 else 2.01, "onednn": 5.0}[impl]
-
+    time_fn = fake_timer({"linear": 2.0, "wx": 3.0, "transposed": [2.01] + [1.0] * 6, "onednn": 5.0})
     t = TargetModel(tiny_target("llama"), time_fn=time_fn)
     md = kernel_markdown(t.kernel_info())
     assert "| 64x64 | q_proj, o_proj | 8 | linear | transposed |" in md and "| transposed |" in md
@@ -130,7 +128,7 @@ def test_the_drafts_linear_shapes_are_timed_for_the_table(tmp_path, monkeypatch)
     target's choice of the same shape."""
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     model = tiny_target("llama")
-    target = TargetModel(model, time_fn=lambda fn, x, **kw: 1.0)
+    target = TargetModel(model, time_fn=fake_timer({"linear": 1.0}))
     draft = tiny_draft(model)
     shapes = bp.time_draft_kernels(target, draft)
     fc = f"{draft.fc.weight.shape[0]}x{draft.fc.weight.shape[1]}"
@@ -140,7 +138,7 @@ def test_the_drafts_linear_shapes_are_timed_for_the_table(tmp_path, monkeypatch)
     assert "draft fc" in roles and all(r.startswith("draft ") for r in roles)
     assert rows["64x64 approx"]["roles"] == ["draft q_proj", "draft o_proj"]
     assert rows["64x64"]["weights"] == 8 and rows["64x64 approx"]["weights"] == 2 * len(draft.layers)
-    precise = TargetModel(model, kernels="precise", time_fn=lambda fn, x, **kw: 1.0)
+    precise = TargetModel(model, kernels="precise", time_fn=fake_timer({"linear": 1.0}))
     assert "64x64" in bp.time_draft_kernels(precise, draft)
     rows = {r["shape"]: r for r in precise.kernel_info()["shapes"]}
     assert "draft fc" in rows[fc]["roles"]  # its shape may be a target shape too (down_proj here)

@@ -235,7 +235,7 @@ def time_draft_kernels(target, draft) -> list[str]:
     layout = None if draft is None else target.draft_layout(draft)
     if layout is None:
         return []
-    return sorted({lin.key for lin in (layout.fc, *(f for layer in layout.layers for f in layer))})
+    return sorted({lin.key for lin in layout.linears})
 
 
 PROFILE_PROMPT = "Write a Python function that returns the first n prime numbers, with a docstring and a test."

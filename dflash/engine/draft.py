@@ -13,22 +13,35 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dflash.engine import projections
 from dflash.engine.cache import DraftCache
 from dflash.engine.config import ConfigError, DFlashConfig
 from dflash.engine.errors import CheckpointError
 from dflash.engine.io import atomic_folder
 from dflash.engine.target import AdapterSlot
 
-LAYER_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-                 ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+class LayerKernels(NamedTuple):
+    """One draft layer's products as measured kernels: q on the block; k and v on [context ;
+    block], one projections.Group (x -> (k, v)); o; gate and up, a Group (x -> (gate, up)); down."""
+    q: Callable
+    kv: Callable
+    o: Callable
+    gate_up: Callable
+    down: Callable
 
 
 class DraftLayout(NamedTuple):
-    """The draft's linears as measured kernels (engine/kernels.py), for inference: `fc`, and
-    per layer its (q, k, v, o, gate, up, down) products in LAYER_LINEARS order. Built by
-    `DFlashDraftModel.kernel_layout`; the modules' own weights are left as they are."""
+    """The draft's linears as measured kernels (engine/kernels.py, engine/projections.py), for
+    inference: `fc` and per layer its LayerKernels. Built by `DFlashDraftModel.kernel_layout`;
+    the modules' own weights are left as they are."""
     fc: Callable
-    layers: tuple[tuple[Callable, ...], ...]
+    layers: tuple[LayerKernels, ...]
+
+    @property
+    def linears(self) -> list:
+        """Every kernels.Linear held (a group's separate or stacked ones), for reports."""
+        return [lin for part in (self.fc, *(p for layer in self.layers for p in layer))
+                for lin in getattr(part, "linears", [part])]
 
 
 class RMSNorm(nn.Module):
@@ -87,13 +100,16 @@ class DraftAttention(nn.Module):
         self.sliding_window = config.sliding_window if sliding else None
 
     def forward(self, x, ctx, cos, sin, mask=None, cache: DraftCache | None = None, proj=None):
-        """`proj`: (q, k, v, o) products to run instead of the modules' (a DraftLayout's)."""
-        q_proj, k_proj, v_proj, o_proj = proj or (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        """`proj`: a DraftLayout's LayerKernels to run instead of the modules."""
         b, q_len, _ = x.shape  # x: (B, Q, H) block; ctx: (B, C, H) projected context
         kv_in = torch.cat([ctx, x], dim=1)  # (B, C+Q, H)
-        q = self.q_norm(q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)  # (B, nH, Q, D)
-        k = self.k_norm(k_proj(kv_in).view(b, -1, self.n_kv, self.head_dim)).transpose(1, 2)  # (B, KV, C+Q, D)
-        v = v_proj(kv_in).view(b, -1, self.n_kv, self.head_dim).transpose(1, 2)  # (B, KV, C+Q, D)
+        if proj is None:
+            q, (k, v), o_proj = self.q_proj(x), (self.k_proj(kv_in), self.v_proj(kv_in)), self.o_proj
+        else:
+            q, (k, v), o_proj = proj.q(x), proj.kv(kv_in), proj.o
+        q = self.q_norm(q.view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)  # (B, nH, Q, D)
+        k = self.k_norm(k.view(b, -1, self.n_kv, self.head_dim)).transpose(1, 2)  # (B, KV, C+Q, D)
+        v = v.view(b, -1, self.n_kv, self.head_dim).transpose(1, 2)  # (B, KV, C+Q, D)
         q, k = _rotate(q, cos[..., -q_len:, :], sin[..., -q_len:, :]), _rotate(k, cos, sin)
         offset = 0
         if cache is not None:
@@ -123,9 +139,11 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x, proj=None):
-        """`proj`: (gate, up, down) products to run instead of the modules' (a DraftLayout's)."""
-        gate, up, down = proj or (self.gate_proj, self.up_proj, self.down_proj)
-        return down(F.silu(gate(x)) * up(x))
+        """`proj`: a DraftLayout's LayerKernels to run instead of the modules."""
+        if proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = proj.gate_up(x)
+        return proj.down(F.silu(gate) * up)
 
 
 class DraftLayer(nn.Module):
@@ -137,9 +155,9 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, ctx, cos, sin, mask=None, cache=None, proj=None):
-        """`proj`: this layer's seven products of a DraftLayout (None: the modules')."""
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache, proj and proj[:4])
-        return x + self.mlp(self.post_attention_layernorm(x), proj and proj[4:])
+        """`proj`: this layer's LayerKernels of a DraftLayout (None: the modules')."""
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask, cache, proj)
+        return x + self.mlp(self.post_attention_layernorm(x), proj)
 
 
 class DFlashDraftModel(nn.Module):
@@ -185,11 +203,17 @@ class DFlashDraftModel(nn.Module):
         """This draft's linears as `table`'s measured kernels (a kernels.KernelTable: the
         target adapter's, so shapes the target shares are measured once). A proposal only
         changes what the target verifies, so they may run approximate kernels (bf16) where
-        the table allows them and they measure faster."""
+        the table allows them and they measure faster. k and v (and gate and up) read the same
+        rows: each pair is a projections.Group, one stacked product where that measures faster."""
         def lin(mod, role):
             return table.linear(mod.weight, mod.bias, role=f"draft {role}", approximate=True)
 
-        layers = tuple(tuple(lin(getattr(getattr(layer, part), name), name) for part, name in LAYER_LINEARS)
+        def pair(module, names):
+            return projections.group(table, module, names, approximate=True, role_prefix="draft ")
+
+        layers = tuple(LayerKernels(lin(layer.self_attn.q_proj, "q_proj"), pair(layer.self_attn, ("k_proj", "v_proj")),
+                                    lin(layer.self_attn.o_proj, "o_proj"), pair(layer.mlp, ("gate_proj", "up_proj")),
+                                    lin(layer.mlp.down_proj, "down_proj"))
                        for layer in self.layers)
         return DraftLayout(lin(self.fc, "fc"), layers)
 

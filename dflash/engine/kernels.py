@@ -21,6 +21,10 @@ Candidates (`IMPLS`, each only where it runs and agrees with F.linear):
   whose caller allows that may get it (the draft's: a proposal changes what is verified, never
   what is output), and only from a table built with `approximate=True` (kernels="auto").
 
+Products that read the same input (a layer's q, k, v; its gate and up) are also measured as one
+product on their weights stacked, a weight shape of its own (`stacked`: every layout of it is a
+copy); engine/projections.py decides per group which runs.
+
 Memory: a copying layout costs one copy of the weight. A weight holds at most the copies its
 buckets need: the smallest set of layouts within `tolerance` (5%) of the fastest at every
 bucket, so where one layout serves all buckets no second copy is made.
@@ -130,10 +134,12 @@ IMPLS: dict[str, Impl] = {
 }
 
 
-def copy_bytes(name: str, numel: int, itemsize: int) -> int:
-    """The bytes candidate `name`'s copy of a weight of `numel` elements (`itemsize` each) takes."""
+def copy_bytes(name: str, numel: int, itemsize: int, stacked: bool = False) -> int:
+    """The bytes candidate `name`'s copy of a weight of `numel` elements (`itemsize` each) takes;
+    `stacked`: a weight made by stacking others (projections.py), itself a copy, so that every
+    candidate holds one."""
     impl = IMPLS[name]
-    if not impl.copies:
+    if not impl.copies and not stacked:
         return 0
     return numel * (itemsize if impl.copy_dtype is None else impl.copy_dtype.itemsize)
 
@@ -161,13 +167,21 @@ class ShapeChoice:
     buckets: tuple[int, ...]
     impls: dict[int, str]  # bucket -> implementation
     times_us: dict[str, list[float | None]] = field(default_factory=dict)  # impl -> per bucket
+    stacked: bool = False  # the weight is a stack of others (projections.py): every layout is a copy
 
     @property
     def copies(self) -> list[str]:
-        return sorted({i for i in self.impls.values() if IMPLS[i].copies})
+        return sorted({i for i in self.impls.values() if IMPLS[i].copies or self.stacked})
+
+    def extra_bytes(self, itemsize: int = 4) -> int:
+        return sum(copy_bytes(c, self.shape[0] * self.shape[1], itemsize, self.stacked) for c in self.copies)
 
     def extra_mb(self, itemsize: int = 4) -> float:
-        return sum(copy_bytes(c, self.shape[0] * self.shape[1], itemsize) for c in self.copies) / 2**20
+        return self.extra_bytes(itemsize) / 2**20
+
+    def time_us(self, bucket: int) -> float:
+        """The measured microseconds of one product of `bucket` rows on its chosen kernel."""
+        return self.times_us[self.impls[bucket]][self.buckets.index(bucket)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -177,25 +191,26 @@ class ShapeChoice:
     @classmethod
     def from_dict(cls, d: dict) -> "ShapeChoice":
         return cls(tuple(d["shape"]), tuple(d["buckets"]), {int(b): i for b, i in d["impls"].items()},
-                   {k: list(v) for k, v in d["times_us"].items()})
+                   {k: list(v) for k, v in d["times_us"].items()}, bool(d.get("stacked", False)))
 
 
 def choose(times: dict[str, list[float | None]], buckets: Sequence[int], tolerance: float = TOLERANCE,
-           shape: tuple[int, int] = (0, 0), max_copies: int = MAX_COPIES) -> ShapeChoice:
+           shape: tuple[int, int] = (0, 0), max_copies: int = MAX_COPIES, stacked: bool = False) -> ShapeChoice:
     """Pick the kernel per bucket from measured times (impl -> seconds per bucket, None: not
     available). The set of copying layouts held is the smallest (then the fastest overall) whose
     kernels come within `tolerance` of the fastest candidate at every bucket; when no set of
     at most `max_copies` does, the fastest overall of those (sum over buckets of the time over
     the best). Within the set a bucket takes `linear` (HF's own numbers) when it is within
-    `tolerance` of the set's fastest, else the set's fastest."""
+    `tolerance` of the set's fastest, else the set's fastest. `stacked`: the weight is itself a
+    copy (a stack of others), so every candidate is a copying layout."""
     names = [n for n in times if n in IMPLS and any(t is not None for t in times[n])]
     if "linear" not in names:
         raise ValueError("the F.linear candidate must have been timed")
     inf = float("inf")
     t = {n: [inf if x is None else x for x in times[n]] for n in names}
     best = [min(t[n][j] for n in names) for j in range(len(buckets))]
-    free = [n for n in names if not IMPLS[n].copies]
-    copying = [n for n in names if IMPLS[n].copies]
+    free = [n for n in names if not IMPLS[n].copies and not stacked]
+    copying = [n for n in names if IMPLS[n].copies or stacked]
 
     def served(layouts):
         pool = free + list(layouts)
@@ -206,7 +221,7 @@ def choose(times: dict[str, list[float | None]], buckets: Sequence[int], toleran
         return sum(s[j] / best[j] for j in range(len(buckets)))
 
     chosen = None
-    sizes = range(min(len(copying), max_copies) + 1)
+    sizes = range(0 if free else 1, max(min(len(copying), max_copies), 1) + 1)  # a stack needs one layout
     for size in sizes:
         options = [(overall(layouts), layouts) for layouts in itertools.combinations(copying, size)
                    if all(x <= b * (1 + tolerance) for x, b in zip(served(layouts), best))]
@@ -219,9 +234,10 @@ def choose(times: dict[str, list[float | None]], buckets: Sequence[int], toleran
     impls = {}
     for j, b in enumerate(buckets):
         fastest = min(pool, key=lambda n: t[n][j])
-        impls[b] = "linear" if t["linear"][j] <= t[fastest][j] * (1 + tolerance) else fastest
+        own = "linear" in pool and t["linear"][j] <= t[fastest][j] * (1 + tolerance)
+        impls[b] = "linear" if own else fastest
     us = {n: [None if x is None else round(x * 1e6, 2) for x in times[n]] for n in times}
-    return ShapeChoice(tuple(shape), tuple(buckets), impls, us)
+    return ShapeChoice(tuple(shape), tuple(buckets), impls, us, stacked)
 
 
 def _agrees(y: torch.Tensor, ref: torch.Tensor, exact: bool = True) -> bool:
@@ -267,45 +283,52 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, buckets: Sequence[i
     return times
 
 
-def cache_key(shape, dtype, buckets, reps: int, approximate: bool = False) -> dict:
+def cache_key(shape, dtype, buckets, reps: int, approximate: bool = False, stacked: bool = False) -> dict:
     return {**machine.machine_key(), "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
             "buckets": list(buckets), "impls": list(IMPLS), "reps": reps, "version": VERSION,
-            "approximate": approximate}
+            "approximate": approximate, "stacked": stacked}
 
 
 class KernelTable:
     """The choices of one adapter, measured (or read from the cache) one shape at a time."""
 
     def __init__(self, time_fn: TimeFn | None = None, use_cache: bool | None = None, reps: int = 3,
-                 tolerance: float = TOLERANCE, max_copies: int = MAX_COPIES, approximate: bool = False):
+                 tolerance: float = TOLERANCE, max_copies: int = MAX_COPIES, approximate: bool = False,
+                 stacking: bool = True):
         """`time_fn`: the timer (default: wall clock; a test passes fake timings). The disk
         cache is used by default with the real timer only. `approximate`: a weight whose caller
-        allows it (`approximate=True`: the draft's) may get an approximate kernel."""
+        allows it (`approximate=True`: the draft's) may get an approximate kernel. `stacking`:
+        products of one input may run stacked where that measures faster (projections.py)."""
         self.time_fn = time_fn or wall_time
         self.use_cache = time_fn is None if use_cache is None else use_cache
         self.reps, self.tolerance, self.max_copies = reps, tolerance, max_copies
-        self.approximate = approximate
+        self.approximate, self.stacking = approximate, stacking
         self.choices: dict[str, ShapeChoice] = {}
         self.roles: dict[str, list[str]] = {}
         self.measure_s = 0.0  # time spent measuring (0 when everything came from the cache)
         self.cached: list[str] = []  # shapes read from the cache
 
-    def key_name(self, weight: torch.Tensor, approximate: bool = False) -> str:
+    def key_name(self, weight: torch.Tensor, approximate: bool = False, stacked: bool = False) -> str:
         """The table's name of a weight shape's choice: "576x1536", "576x1536 approx" when the
-        weight may take approximate kernels (a choice apart from the exact one of that shape)."""
-        return f"{weight.shape[0]}x{weight.shape[1]}" + (" approx" if approximate and self.approximate else "")
+        weight may take approximate kernels (a choice apart from the exact one of that shape),
+        "960x576 stacked" for a stack of weights (every layout of it is a copy: a choice apart)."""
+        return (f"{weight.shape[0]}x{weight.shape[1]}" + (" stacked" if stacked else "")
+                + (" approx" if approximate and self.approximate else ""))
 
     def choice(self, weight: torch.Tensor, bias: torch.Tensor | None = None, buckets: Sequence[int] = BUCKETS,
-               role: str | None = None, max_copies: int | None = None, approximate: bool = False) -> ShapeChoice:
+               role: str | None = None, max_copies: int | None = None, approximate: bool = False,
+               stacked: bool = False) -> ShapeChoice:
+        """`stacked`: `weight` is a stack of the caller's weights (projections.py)."""
         approximate = approximate and self.approximate
-        key_name = self.key_name(weight, approximate)
+        key_name = self.key_name(weight, approximate, stacked)
         if role is not None and role not in self.roles.setdefault(key_name, []):
             self.roles[key_name].append(role)
         found = self.choices.get(key_name)
         if found is not None and tuple(found.buckets) == tuple(buckets):
             return found
         max_copies = self.max_copies if max_copies is None else max_copies
-        key = {**cache_key(weight.shape, weight.dtype, buckets, self.reps, approximate), "max_copies": max_copies}
+        key = {**cache_key(weight.shape, weight.dtype, buckets, self.reps, approximate, stacked),
+               "max_copies": max_copies}
         cached = machine.read_cached("kernels", key) if self.use_cache else None
         if machine.stale(cached):
             cached = None
@@ -315,7 +338,7 @@ class KernelTable:
         else:
             start, load = time.perf_counter(), machine.load_average()
             times = measure(weight, bias, buckets, self.time_fn, self.reps, approximate=approximate)
-            found = choose(times, buckets, self.tolerance, tuple(weight.shape), max_copies)
+            found = choose(times, buckets, self.tolerance, tuple(weight.shape), max_copies, stacked)
             self.measure_s += time.perf_counter() - start
             if self.use_cache:
                 machine.write_cached("kernels", key, {**found.to_dict(), "measured_load": load})
@@ -323,10 +346,12 @@ class KernelTable:
         return found
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, buckets: Sequence[int] = BUCKETS,
-               role: str | None = None, max_copies: int | None = None, approximate: bool = False) -> "Linear":
-        """`weight` in this table's layout; `approximate`: its caller allows approximate kernels."""
-        choice = self.choice(weight, bias, buckets, role, max_copies, approximate)
-        return Linear(weight, bias, choice, self.key_name(weight, approximate))
+               role: str | None = None, max_copies: int | None = None, approximate: bool = False,
+               stacked: bool = False) -> "Linear":
+        """`weight` in this table's layout; `approximate`: its caller allows approximate kernels;
+        `stacked`: `weight` is a stack of the caller's weights."""
+        choice = self.choice(weight, bias, buckets, role, max_copies, approximate, stacked)
+        return Linear(weight, bias, choice, self.key_name(weight, approximate, stacked))
 
     def to_dict(self, itemsize: int = 4, counts: dict[str, int] | None = None) -> dict:
         """The table for reports: per shape its roles, kernel per bucket, times, and the MB
@@ -348,14 +373,15 @@ class Linear:
     the copies its buckets use; `linear`/`wx` run on the model's own weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, choice: ShapeChoice, key: str | None = None):
-        """`key`: the table's name of the choice (default: the shape's)."""
+        """`key`: the table's name of the choice (default: the shape's). A stacked choice's
+        Linear does not hold `weight` (the stack) beyond what its kernels hold."""
         built = {name: IMPLS[name].build(weight, bias) for name in dict.fromkeys(choice.impls.values())}
         self.buckets = tuple(choice.buckets)
         self.fns = tuple(built[choice.impls[b]] for b in self.buckets)
         self.names = tuple(choice.impls[b] for b in self.buckets)
         self.key = key or f"{weight.shape[0]}x{weight.shape[1]}"
-        self.extra_bytes = sum(copy_bytes(c, weight.numel(), weight.element_size()) for c in choice.copies)
-        self.weight = weight
+        self.extra_bytes = choice.extra_bytes(weight.element_size())
+        self.weight = None if choice.stacked else weight
         if "transposed" in built and "linear" not in built and "wx" not in built:
             self.weight = built["transposed"].keywords["weight"]  # the same values, on the copy
 
@@ -365,81 +391,3 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x.numel() // x.shape[-1])(x)
-
-
-# ---- the decoder's projections ----------------------------------------------------------------
-class Projections(NamedTuple):
-    """One decoder layer's projections for one token-count bucket (static_decoder calls these)."""
-    q: Callable
-    k: Callable
-    v: Callable
-    o: Callable
-    mlp: Callable  # h -> down(act(gate(h)) * up(h))
-    norm1: Callable  # the layer's input RMSNorm
-    norm2: Callable  # its post-attention RMSNorm
-
-
-PROJ_NAMES = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-              ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-
-
-# RMSNorms whose forward is Llama's (x * rsqrt(mean(x^2) + eps), times the weight): in fp32,
-# F.rms_norm gives the same bits (checked) in one op instead of seven and a module call
-FUSED_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
-
-
-def norm_fn(norm) -> Callable:
-    """F.rms_norm with the module's weight and epsilon where that is exactly its forward, else the module."""
-    w, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-    if type(norm).__name__ not in FUSED_NORMS or w is None or eps is None or w.dtype != torch.float32:
-        return norm
-    return functools.partial(F.rms_norm, normalized_shape=(w.shape[0],), weight=w, eps=eps)
-
-
-def _mlp(gate, up, down, act):
-    def mlp(h):
-        return down(act(gate(h)) * up(h))
-
-    return mlp
-
-
-class DecoderLinears:
-    """A Llama-family decoder's projections in the adapter's layout: `for_tokens(n)` gives the
-    per-layer `Projections` of n's bucket, precomputed, so a forward looks nothing up per call."""
-
-    def __init__(self, model, table: KernelTable, buckets: Sequence[int] = BUCKETS):
-        self.buckets = tuple(buckets)
-        layers = model.model.layers
-        self.linears = []  # per layer: the 7 Linear objects
-        self.counts: dict[str, int] = {}
-        for layer in layers:
-            row = []
-            for part, name in PROJ_NAMES:
-                mod = getattr(getattr(layer, part), name)
-                row.append(table.linear(mod.weight, mod.bias, buckets, role=name))
-                shape = f"{mod.weight.shape[0]}x{mod.weight.shape[1]}"
-                self.counts[shape] = self.counts.get(shape, 0) + 1
-            self.linears.append(row)
-        acts = [layer.mlp.act_fn for layer in layers]
-        norms = [(norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm)) for layer in layers]
-        self._by_bucket = {}
-        for b in self.buckets:
-            self._by_bucket[b] = [
-                Projections(q.fn(b), k.fn(b), v.fn(b), o.fn(b), _mlp(g.fn(b), u.fn(b), d.fn(b), act), *norm)
-                for (q, k, v, o, g, u, d), act, norm in zip(self.linears, acts, norms)]
-
-    def for_tokens(self, n: int) -> list[Projections]:
-        return self._by_bucket[bucket_of(n, self.buckets)]
-
-    @property
-    def extra_bytes(self) -> int:
-        return sum(lin.extra_bytes for row in self.linears for lin in row)
-
-
-def supports_mlp(model) -> bool:
-    """The decoder's MLP is gate/up/down with an elementwise activation (Llama's)."""
-    try:
-        mlp = model.model.layers[0].mlp
-    except (AttributeError, IndexError):
-        return False
-    return all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))

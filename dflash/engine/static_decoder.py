@@ -98,7 +98,7 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     """ids, positions: (B, T) at buffer slots kv.length.. ; key_valid: (B, kv.length+T) bool,
     False at padding (None: no padding); tree_mask: (T, T) bool, the new tokens each new token
     sees (a token tree's; None: causal); linears: the adapter's projections in its own weight
-    layout (`kernels.DecoderLinears`; None: the model's own modules). Returns the final normed
+    layout (`projections.DecoderLinears`; None: the model's own modules). Returns the final normed
     hidden states (B, T, H) and the chosen layers' outputs (B, T, k*H) or None. Advances kv.length by T."""
     base = model.model
     b, t = ids.shape
@@ -150,10 +150,13 @@ def _mask(t: int, past: int, key_valid, device, tree=None):
 def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int, proj=None):
     b, t, _ = h.shape
     shape = (b, t, -1, attn.head_dim)
-    q_proj, k_proj, v_proj, o_proj = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) if proj is None else proj[:4]
-    q = q_proj(h).view(shape).transpose(1, 2)  # (B, NH, T, D)
-    k = k_proj(h).view(shape).transpose(1, 2)  # (B, KV, T, D)
-    v = v_proj(h).view(shape).transpose(1, 2)  # (B, KV, T, D)
+    if proj is None:
+        q, k, v, o_proj = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), attn.o_proj
+    else:
+        (q, k, v), o_proj = proj.qkv(h), proj.o  # maybe one stacked product, split (projections.py)
+    q = q.view(shape).transpose(1, 2)  # (B, NH, T, D)
+    k = k.view(shape).transpose(1, 2)  # (B, KV, T, D)
+    v = v.view(shape).transpose(1, 2)  # (B, KV, T, D)
     if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before the rotation
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

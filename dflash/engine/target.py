@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.engine import kernels as kernel_choice
+from dflash.engine import projections
 from dflash.engine import static_decoder
 from dflash.engine.cache import StaticTargetCache, TargetCache
 from dflash.engine.config import DFlashConfig
@@ -21,7 +22,7 @@ class TargetModel:
     that return logits plus the chosen layers' hidden states, on a cache that rolls back."""
 
     def __init__(self, model: nn.Module, static: bool | None = None, kernels: str = "auto",
-                 time_fn: kernel_choice.TimeFn | None = None):
+                 time_fn: kernel_choice.TimeFn | None = None, stacking: bool = True):
         """`static`: run Llama-family targets through `static_decoder` on a preallocated KV
         buffer (same numbers, less per-step work); None = whenever the model supports it.
         `kernels`: "auto" times the matrix-product candidates of every linear shape and of the
@@ -32,7 +33,9 @@ class TargetModel:
         approximate kernel, bf16, where that measures faster (a proposal changes what is
         verified, not the output); "precise" measures the same but keeps every product at the
         weights' precision; "torch" runs the model's own modules, HF's numbers exactly.
-        `time_fn`: the kernel timer (tests pass fake timings; nothing is cached then)."""
+        `time_fn`: the kernel timer (tests pass fake timings; nothing is cached then).
+        `stacking`: a layer's q/k/v (and gate/up) may run as one product on their weights
+        stacked where that measures faster (engine/projections.py; False: never, for A/B runs)."""
         if kernels not in kernel_choice.MODES:
             raise ValueError(f"kernels must be one of {kernel_choice.MODES}, got {kernels!r}")
         if isinstance(model, TargetModel):
@@ -59,23 +62,23 @@ class TargetModel:
             max_positions=getattr(tc, "max_position_embeddings", None) or 1 << 30,
             model_type=getattr(tc, "model_type", "?"),
         )
-        self._build_kernels(kernels, time_fn)
+        self._build_kernels(kernels, time_fn, stacking)
 
-    def _build_kernels(self, kernels: str, time_fn) -> None:
+    def _build_kernels(self, kernels: str, time_fn, stacking: bool = True) -> None:
         """The adapter's weight layout: the decoder's projections (static decoder only) and the
         lm_head, each with its measured kernel per token-count bucket. On other devices than
         the CPU, "auto" is "torch" (their BLAS has no such small-M pitfall to measure)."""
         self.kernels = kernels if self.device.type == "cpu" else "torch"
         self.kernel_table: kernel_choice.KernelTable | None = None
-        self.linears: kernel_choice.DecoderLinears | None = None  # static_decoder.forward(..., linears=)
+        self.linears: projections.DecoderLinears | None = None  # static_decoder.forward(..., linears=)
         self._head: kernel_choice.Linear | None = None
         self._rows: dict[int, tuple] = {}  # id(head_rows tensor) -> (weakref to it, its Linear)
         self._drafts: dict[int, tuple] = {}  # id(draft) -> (weakref to it, its weights' version, its DraftLayout)
         if self.kernels == "torch":
             return
-        self.kernel_table = kernel_choice.KernelTable(time_fn, approximate=self.kernels == "auto")
-        if self.static and kernel_choice.supports_mlp(self.model):
-            self.linears = kernel_choice.DecoderLinears(self.model, self.kernel_table)
+        self.kernel_table = kernel_choice.KernelTable(time_fn, approximate=self.kernels == "auto", stacking=stacking)
+        if self.static and projections.supports_mlp(self.model):
+            self.linears = projections.DecoderLinears(self.model, self.kernel_table)
         if isinstance(self.head, nn.Linear):
             self._head = self.kernel_table.linear(self.head.weight, self.head.bias, kernel_choice.HEAD_BUCKETS,
                                                   role="lm_head", max_copies=kernel_choice.HEAD_MAX_COPIES)
@@ -86,8 +89,7 @@ class TargetModel:
         if self.kernel_table is None:
             return {"mode": self.kernels}
         counts = dict(self.linears.counts) if self.linears is not None else {}
-        drafts = [lin for ref, _, layout in self._drafts.values() if ref() is not None
-                  for lin in (layout.fc, *(f for layer in layout.layers for f in layer))]
+        drafts = [lin for ref, _, layout in self._drafts.values() if ref() is not None for lin in layout.linears]
         for lin in [self._head] + [lin for ref, lin in self._rows.values() if ref() is not None] + drafts:
             if lin is not None:
                 counts[lin.key] = counts.get(lin.key, 0) + 1
