@@ -331,3 +331,28 @@ def test_a_draft_on_bf16_kernels_proposes_and_the_output_stays_the_targets(kerne
     with torch.inference_mode():
         ref = hidden @ model.lm_head.weight[:40].T
         assert torch.allclose(target.logits(hidden, rows), ref, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_a_draft_vocabularys_head_rows_are_built_once_however_many_requests(kernels, tmp_path, monkeypatch):
+    """Every request's proposer asks for its draft vocabulary's head rows: the adapter builds
+    them once (a server must not hold a new copy per request) and keeps a few vocabularies."""
+    from dflash.engine import target as T
+
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    model = tiny_target("llama")
+    target = TargetModel(model, kernels=kernels, time_fn=fake({"linear": 1.0}) if kernels == "auto" else None)
+    draft = tiny_draft(model, block_size=8)
+    draft.config.draft_vocab = list(range(0, 96, 2))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12, pad_token_id=0)
+    for _ in range(6):
+        assert torch.equal(dflash_generate(draft, target, ids, 12, None, block_size=8), ref)
+    vocab = torch.tensor(draft.config.draft_vocab)
+    assert target.head_rows(vocab) is target.head_rows(vocab.clone()) and len(target._rows) == 1
+    if kernels == "auto":
+        rows = [r for r in target.kernel_info()["shapes"] if "draft lm_head" in r["roles"]]
+        assert [r["weights"] for r in rows] == [1]
+    for k in range(2, 2 + 2 * T.HEAD_ROWS_KEPT):
+        target.head_rows(torch.arange(k))
+    assert len(target._rows) == T.HEAD_ROWS_KEPT  # the oldest vocabularies go

@@ -17,6 +17,9 @@ from dflash.engine.config import DFlashConfig
 from dflash.engine.request import TargetInfo, check_pair
 
 
+HEAD_ROWS_KEPT = 4  # draft vocabularies whose head rows an adapter keeps built
+
+
 class TargetModel:
     """Wraps an HF `*ForCausalLM`: embedding and lm_head for the draft, and forward passes
     that return logits plus the chosen layers' hidden states, on a cache that rolls back."""
@@ -72,7 +75,9 @@ class TargetModel:
         self.kernel_table: kernel_choice.KernelTable | None = None
         self.linears: projections.DecoderLinears | None = None  # static_decoder.forward(..., linears=)
         self._head: kernel_choice.Linear | None = None
-        self._rows: dict[int, tuple] = {}  # id(head_rows tensor) -> (weakref to it, its Linear)
+        # draft vocabularies' head rows, built once per vocabulary (a request's proposer asks for
+        # them again): ids -> (rows, their Linear or None), the last HEAD_ROWS_KEPT vocabularies
+        self._rows: dict[tuple[int, ...], tuple[torch.Tensor, kernel_choice.Linear | None]] = {}
         self._drafts: dict[int, tuple] = {}  # id(draft) -> (weakref to it, its weights' version, its DraftLayout)
         if self.kernels == "torch":
             return
@@ -90,7 +95,7 @@ class TargetModel:
             return {"mode": self.kernels}
         counts = dict(self.linears.counts) if self.linears is not None else {}
         drafts = [lin for ref, _, layout in self._drafts.values() if ref() is not None for lin in layout.linears]
-        for lin in [self._head] + [lin for ref, lin in self._rows.values() if ref() is not None] + drafts:
+        for lin in [self._head] + [lin for _, lin in self._rows.values()] + drafts:
             if lin is not None:
                 counts[lin.key] = counts.get(lin.key, 0) + 1
         return self.kernel_table.to_dict(self.embed_weight.element_size(), counts)
@@ -116,8 +121,7 @@ class TargetModel:
         if head_rows is None:
             logits = self.head(hidden) if self._head is None or grad else self._head(hidden)
         else:
-            entry = self._rows.get(id(head_rows))
-            lin = entry[1] if entry is not None and entry[0]() is head_rows and not grad else None
+            lin = next((lin for rows, lin in self._rows.values() if rows is head_rows), None) if not grad else None
             logits = F.linear(hidden, head_rows) if lin is None else lin(hidden)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -126,17 +130,22 @@ class TargetModel:
     def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The lm_head rows of `ids` (K,) as one (K, H) matrix, for the draft's proposals; with
         measured kernels, in the layout its kernel wants (`logits(hidden, rows)` then runs
-        that kernel, which may be approximate as the draft's linears are)."""
+        that kernel, which may be approximate as the draft's linears are). The same ids give
+        the same tensor: built once, kept for the last HEAD_ROWS_KEPT vocabularies."""
         if getattr(self.head, "bias", None) is not None:
             raise ValueError("a draft vocabulary needs an lm_head without bias")
-        rows = self.head.weight.index_select(0, ids.to(self.head.weight.device)).contiguous()
-        if self.kernel_table is None:
-            return rows
-        lin = self.kernel_table.linear(rows, None, kernel_choice.HEAD_BUCKETS, role="draft lm_head",
-                                       max_copies=kernel_choice.HEAD_MAX_COPIES, approximate=True)
-        rows = lin.weight  # the copy itself when its kernel needs no other layout
-        self._rows = {k: v for k, v in self._rows.items() if v[0]() is not None}
-        self._rows[id(rows)] = (weakref.ref(rows), lin)
+        key = tuple(ids.tolist())
+        if key in self._rows:
+            return self._rows[key][0]
+        rows = self.head.weight.detach().index_select(0, ids.to(self.head.weight.device)).contiguous()  # (K, H)
+        lin = None
+        if self.kernel_table is not None:
+            lin = self.kernel_table.linear(rows, None, kernel_choice.HEAD_BUCKETS, role="draft lm_head",
+                                           max_copies=kernel_choice.HEAD_MAX_COPIES, approximate=True)
+            rows = lin.weight  # the copy itself when its kernel needs no other layout
+        while len(self._rows) >= HEAD_ROWS_KEPT:
+            self._rows.pop(next(iter(self._rows)))  # the oldest vocabulary
+        self._rows[key] = (rows, lin)
         return rows
 
     def draft_layout(self, draft: nn.Module):
