@@ -23,6 +23,9 @@ demo: $(STAMP)
 		--max-new-tokens 128 --compare
 
 test: $(STAMP)
+	# vLLM's own venv for the vLLM test (x86-64 Linux; a few minutes, once per machine)
+	if [ "$$(uname -sm)" = "Linux x86_64" ] && [ -z "$${DFLASH_SKIP_VLLM:-}" ]; then \
+		$(BIN)/python -m dflash.backends.vllm.worker setup > /dev/null; fi
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
