@@ -1,7 +1,8 @@
 """Tiny random models for tests, ours and yours: a few-layer Llama / Qwen3 / Gemma3 target with
 a 96-token vocabulary, a matching random draft, a byte-level tokenizer trained on a few lines,
-and a whole `Pipeline` of them. Nothing is downloaded; everything is seeded. Exactness tests
-run on these in seconds (greedy output must equal the target's own, whatever the weights)."""
+a whole `Pipeline` of them, and a stand-in kernel timer (`fake_timer`). Nothing is
+downloaded; everything is seeded. Exactness tests run on these in seconds (greedy output must
+equal the target's own, whatever the weights)."""
 
 from __future__ import annotations
 
