@@ -87,3 +87,12 @@ def test_a_group_with_and_without_biases_mixed_is_never_stacked():
     x = torch.randn(1, 3, 16, generator=g)
     a, b = grp(x)
     assert torch.equal(a, x @ w[0].T + torch.zeros(8)) and torch.equal(b, x @ w[1].T)
+
+
+def test_a_stacks_choice_holds_one_layout_and_a_cap_of_no_copies_holds_none():
+    times = {"linear": [2.0] * len(B), "wx": [3.0] * len(B), "transposed": [1.0] * len(B), "onednn": [None] * len(B)}
+    assert K.choose(times, B, max_copies=0).copies == []  # the model's own weight, however slow
+    c = K.choose(times, B, stacked=True, shape=(30, 10))
+    assert c.stacked and c.copies == ["transposed"] and c.extra_bytes() == 30 * 10 * 4
+    own = K.choose({**times, "transposed": [9.0] * len(B)}, B, stacked=True, shape=(30, 10))
+    assert own.copies == ["linear"] and own.extra_bytes() == 30 * 10 * 4  # F.linear on the stack: the stack is the copy

@@ -221,7 +221,8 @@ def choose(times: dict[str, list[float | None]], buckets: Sequence[int], toleran
         return sum(s[j] / best[j] for j in range(len(buckets)))
 
     chosen = None
-    sizes = range(0 if free else 1, max(min(len(copying), max_copies), 1) + 1)  # a stack needs one layout
+    most = min(len(copying), max_copies)
+    sizes = range(0, most + 1) if free else range(1, max(most, 1) + 1)  # a stack holds one layout at least
     for size in sizes:
         options = [(overall(layouts), layouts) for layouts in itertools.combinations(copying, size)
                    if all(x <= b * (1 + tolerance) for x, b in zip(served(layouts), best))]
