@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from dflash.engine.kernels import BUCKETS, MAX_COPIES, TOLERANCE, KernelTable, ShapeChoice, bucket_of
+from dflash.engine.kernels import BUCKETS, TOLERANCE, KernelTable, ShapeChoice, bucket_of
 
 
 def plan(separate: Sequence[ShapeChoice], stacked: ShapeChoice, budget_bytes: int, itemsize: int = 4,
@@ -43,7 +43,7 @@ def plan(separate: Sequence[ShapeChoice], stacked: ShapeChoice, budget_bytes: in
     def overall(use):
         return sum(t / m for t, m in zip(times(use), best))
 
-    allowed = [(use, size) for use, size in options if size <= budget_bytes or size == sep_bytes]
+    allowed = options[:1] + [(use, size) for use, size in options[1:] if size <= budget_bytes]  # separate: always
     close = [(size, overall(use), k) for k, (use, size) in enumerate(allowed)
              if all(t <= m * (1 + tolerance) for t, m in zip(times(use), best))]
     if close:
@@ -84,7 +84,7 @@ class Group:
             stack = torch.cat(list(weights))  # (sum out, in)
             bias = None if biases[0] is None else torch.cat(list(biases))
             stacked = table.choice(stack, bias, buckets, role="+".join(roles), approximate=approximate, stacked=True)
-            budget = MAX_COPIES * stack.numel() * itemsize
+            budget = table.max_copies * stack.numel() * itemsize  # the one-copy rule, for the group
             self.use_stacked = plan(separate, stacked, budget, itemsize, table.tolerance)
         self.parts = ([table.linear(w, b, buckets, role=r, approximate=approximate)
                        for w, b, r in zip(weights, biases, roles)] if not all(self.use_stacked.values()) else [])
