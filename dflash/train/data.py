@@ -45,7 +45,7 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     extra = Counter(excluded.values())
     want = {k: int(round(cfg.num_prompts * w)) + 8 + extra[k] for k, w in cfg.mix.items() if w > 0}
     _check_sources(set(want), "mix")
-    pools: dict[str, list[tuple[str, str]]] = {}
+    pools: dict[str, list[tuple]] = {}  # source -> (id, text, messages or None) in draw order
     if "math" in want:
         pools["math"] = [(p.id, p.content) for p in P.math(limit=want["math"], seed_range=P.TRAIN_MATH_SEEDS)]
     if "code" in want:
@@ -60,9 +60,12 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
         rows = P.sharegpt(split="train")
         rng = np.random.default_rng(cfg.seed)
         pools["sharegpt"] = [(rows[i].id, rows[i].content) for i in rng.permutation(len(rows))[: want["sharegpt"] * 2]]
+    if "followup" in want:  # later ShareGPT turns, the exchange before each as context
+        rows = P.sharegpt_followups()
+        rng = np.random.default_rng(cfg.seed)
+        pools["followup"] = [(rows[i].id, rows[i].content, rows[i].messages) for i in rng.permutation(len(rows))]
     # the earlier lists' prompts leave the pools first, so the mix applies to what is left
-    pools = {k: [(pid, text) for pid, text in pool if P.normalize(text) not in excluded]
-             for k, pool in pools.items()}
+    pools = {k: [entry for entry in pool if P.normalize(entry[1]) not in excluded] for k, pool in pools.items()}
     evals = P.eval_texts()
     seen: set[str] = set()
     out: list[dict] = []
@@ -73,13 +76,13 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
             credit[k] += cfg.mix[k]
         k = max((k for k in pools if cursors[k] < len(pools[k])), key=lambda k: credit[k])
         credit[k] -= 1.0
-        pid, text = pools[k][cursors[k]]
+        pid, text, *messages = pools[k][cursors[k]]
         cursors[k] += 1
         key = P.normalize(text)
         if key in seen or key in evals:
             continue
         seen.add(key)
-        out.append({"id": pid, "dataset": k, "content": text})
+        out.append({"id": pid, "dataset": k, "content": text, **({"messages": messages[0]} if messages else {})})
     check_no_leaks(out)
     return out
 
@@ -103,7 +106,7 @@ def excluded_prompts(folders: list[str]) -> dict[str, str]:
     return out
 
 
-SOURCES = ("math", "code", "docstring", "method", "library", "sharegpt")
+SOURCES = ("math", "code", "docstring", "method", "library", "sharegpt", "followup")
 
 
 def _check_sources(names: set[str], what: str) -> None:
@@ -116,10 +119,17 @@ def check_no_leaks(rows: list[dict]) -> None:
     from dflash.text import prompts as P
 
     evals = P.eval_texts()
-    leaks = [r["id"] for r in rows if P.normalize(r["content"]) in evals]
+    leaks = [r["id"] for r in rows
+             if any(P.normalize(text) in evals for text in (r["content"], *(m["content"] for m in chat_of(r))))]
     math_ids = [r["id"] for r in rows if r["dataset"] == "math" and int(r["id"].split("/")[-1]) in P.EVAL_MATH_SEEDS]
     if leaks or math_ids:
         raise DataError(f"evaluation prompts in the training set: {(leaks + math_ids)[:5]}")
+
+
+def chat_of(row: dict) -> list[dict]:
+    """The chat a prompt-list row is rendered from: its `messages` (a follow-up with the
+    exchange before it), else its `content` as the one user turn."""
+    return row.get("messages") or [{"role": "user", "content": row["content"]}]
 
 
 def sharegpt_conversations(cfg: DataConfig) -> list[dict]:
@@ -289,7 +299,7 @@ def encode_prompts(tok, chunk: list[dict], cfg) -> list[tuple[dict, list[int]]]:
     """Each prompt of a shard with its chat-templated tokens, those over max_prompt_tokens left out."""
     enc = []
     for r in chunk:
-        ids = tok.apply_chat_template([{"role": "user", "content": r["content"]}], tokenize=False, add_generation_prompt=True)
+        ids = tok.apply_chat_template(chat_of(r), tokenize=False, add_generation_prompt=True)
         ids = tok(ids, add_special_tokens=False).input_ids
         if len(ids) <= cfg.max_prompt_tokens:
             enc.append((r, ids))
