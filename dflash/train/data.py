@@ -45,7 +45,7 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     extra = Counter(excluded.values())
     want = {k: int(round(cfg.num_prompts * w)) + 8 + extra[k] for k, w in cfg.mix.items() if w > 0}
     _check_sources(set(want), "mix")
-    pools: dict[str, list[tuple]] = {}  # source -> (id, text, messages or None) in draw order
+    pools: dict[str, list[tuple]] = {}  # source -> (id, text[, chat messages]) in draw order
     if "math" in want:
         pools["math"] = [(p.id, p.content) for p in P.math(limit=want["math"], seed_range=P.TRAIN_MATH_SEEDS)]
     if "code" in want:
