@@ -653,6 +653,30 @@ def test_a_warm_start_can_deepen_a_draft_and_proposes_what_the_start_does(tmp_pa
         Trainer(fit_cfg(init_from=str(tmp_path / "deep")), target, seqs, MASK, LAYERS)
 
 
+def test_a_warm_start_keeps_every_id_its_start_could_propose(tmp_path):
+    """--draft-vocab K with --init-from: the vocabulary is the new data's K most frequent labels
+    joined with the start's, so new data that lacks some of the start's tokens (a pool of the
+    newest lists only) does not take them from the draft."""
+    import json
+
+    target = tiny_target("llama")
+    seqs = make_seqs(target)
+    start = Trainer(fit_cfg(draft_vocab=12, loss_vocab="draft"), target, seqs, MASK, LAYERS)
+    start.draft.save_pretrained(tmp_path / "start")
+    data_top = set(start.draft.config.draft_vocab)
+    unseen = [i for i in range(target.config.vocab_size) if i not in data_top][-3:]  # ids the data never makes top-12
+    cfg_path = tmp_path / "start" / "config.json"
+    config = json.loads(cfg_path.read_text())
+    config["dflash_config"]["draft_vocab"] = sorted(data_top - {min(data_top)}) + unseen
+    cfg_path.write_text(json.dumps(config))
+    warm = Trainer(fit_cfg(draft_vocab=12, loss_vocab="draft", init_from=str(tmp_path / "start")), target, seqs,
+                   MASK, LAYERS)
+    assert warm.draft.config.draft_vocab == sorted(data_top | set(unseen))
+    warm.train_step()  # the loss runs over the joined vocabulary (its unseen ids have no labels)
+    cold = Trainer(fit_cfg(draft_vocab=12, loss_vocab="draft"), target, seqs, MASK, LAYERS)
+    assert set(cold.draft.config.draft_vocab) == data_top  # no start: the data's own K, as before
+
+
 KILL_SCRIPT = textwrap.dedent('''
     import sys, time, torch
     sys.path.insert(0, sys.argv[1])

@@ -56,7 +56,9 @@ class FitConfig:
     # "draft": the exact softmax over the draft vocabulary (needs `draft_vocab`): the very head
     # the draft proposes with at inference; labels outside it carry no loss.
     loss_vocab: str = "sampled"
-    draft_vocab: int | None = None  # K: the draft proposes from the K most frequent label tokens of the data
+    # K: the draft proposes from the K most frequent label tokens of the data (after --init-from: and from
+    # every id its start could propose)
+    draft_vocab: int | None = None
     loss_negatives: int = 8192
     data_shards: int | None = None  # train on the first N finished shards only (None: all)
     init_from: str | None = None  # a draft checkpoint folder to start from (a warm start on more data)

@@ -69,17 +69,22 @@ class Trainer:
         dcfg = DFlashConfig.for_target(hf_model.config, num_hidden_layers=cfg.num_layers, mask_token_id=mask_token_id,
                                        block_size=cfg.block_size, target_layer_ids=list(layer_ids),
                                        intermediate_size=cfg.intermediate_size)
+        start = DFlashDraftModel.from_pretrained(cfg.init_from) if cfg.init_from else None
         if cfg.draft_vocab:
             dcfg.draft_vocab = frequent_labels([s.labels[s.prompt_len + 1:] for s in self.train_seqs], cfg.draft_vocab,
                                                always=stop_token_ids(tokenizer) if tokenizer is not None else ())
+            if start is not None and start.config.draft_vocab:
+                # a warm start keeps every id its start could propose: new data alone would drop the
+                # ids only the earlier data used (session 21: 2 815 of 8 192, chat coverage 95% -> 89%)
+                dcfg.draft_vocab = sorted(set(dcfg.draft_vocab) | set(start.config.draft_vocab))
         torch.manual_seed(cfg.seed)
         self.draft = DFlashDraftModel(dcfg)
         if cfg.init == "target":
             from dflash.train.init import init_from_target
             init_from_target(self.draft, hf_model)
-        if cfg.init_from:
+        if start is not None:
             from dflash.train.init import init_from_draft
-            grown = init_from_draft(self.draft, DFlashDraftModel.from_pretrained(cfg.init_from), cfg.init_from)
+            grown = init_from_draft(self.draft, start, cfg.init_from)
             if grown:
                 log(f"fit: {cfg.init_from} deepened by {', '.join(grown)} (identity at the start)")
         self.subset = None
