@@ -192,11 +192,11 @@ def test_followup_prompts_carry_their_chat_into_the_list_and_the_prompt_tokens(m
     from dflash.text import prompts as P
     from dflash.train.data import DataConfig, build_prompts, encode_prompts
 
-    def chat(i, question="and why?"):
+    def chat(i):
         return P.Prompt(id=f"sharegpt/c{i}/2", dataset="followup", messages=[
             {"role": "user", "content": f"tell me about topic {i}"},
             {"role": "assistant", "content": f"topic {i} is a reply from the conversation"},
-            {"role": "user", "content": question}])
+            {"role": "user", "content": "and why?"}])
 
     monkeypatch.setattr(P, "sharegpt_followups", lambda: [chat(0), chat(1), chat(0), chat(2)])
     rows = build_prompts(DataConfig(num_prompts=6, mix={"followup": 1.0}))  # more than the pool holds
