@@ -286,8 +286,11 @@ def test_library_stubs_are_a_new_pool_of_the_same_shape(tmp_path, stub_pools, mo
     rows = docstring_prompts(3000, seed=5, pool=stubs)  # the pool in a seeded order, as the lists take it
     random.Random(5).shuffle(stubs)
     assert [i for i, _ in rows] == [i for i, _ in stubs[:3000]]
-    monkeypatch.setattr(code_prompts, "library_functions", lambda: list(stub_pools["libraries"]))
-    assert docstring_prompts(3000, seed=5, libraries=True) == rows  # `libraries` draws from that pool
+    asked = []
+    monkeypatch.setattr(code_prompts, "library_functions", lambda libs: asked.append(libs) or list(stubs_in_order))
+    stubs_in_order = list(stub_pools["libraries"])
+    assert docstring_prompts(3000, seed=5, libraries=LIBRARIES) == rows  # `libraries` draws from that pool
+    assert asked == [LIBRARIES]
     stdlib = {t for _, t in docstring_prompts(5000, pool=stub_pools["functions"])}
     stdlib |= {t for _, t in docstring_prompts(5000, pool=stub_pools["methods"])}
     assert not {t for _, t in rows} & stdlib  # a pool apart from the standard library's
@@ -298,6 +301,40 @@ def test_library_stubs_are_a_new_pool_of_the_same_shape(tmp_path, stub_pools, mo
     codes = [P.normalize(p.meta["code"]) for p in P.humaneval()]
     docs = [P.normalize(t.split('"""')[1]) for _, t in rows]
     assert not any(d in c for d in docs for c in codes)  # no docstring of a stub is in a HumanEval task
+
+
+def test_package_stubs_are_a_third_pool_apart_from_the_libraries_and_the_standard_library(stub_pools, monkeypatch):
+    """The `package` source: the same shape from the packages dflash's install brings. Parsed
+    here for a few small ones (all of PACKAGES takes a minute; the data command's leak check
+    reads every prompt it draws)."""
+    from dflash.text import prompts as P
+    from dflash.train.code_prompts import LIBRARIES, PACKAGES, docstring_prompts, library_functions
+    from dflash.train.data import build_prompts, check_no_leaks
+
+    assert not set(PACKAGES) & set(LIBRARIES)
+    few = ("click", "packaging", "rich")
+    assert set(few) <= set(PACKAGES)
+    stubs = library_functions(few)
+    assert len(stubs) > 200 and {i.split("/")[1].split(".")[0] for i, _ in stubs} == set(few)
+    rows = docstring_prompts(200, seed=3, libraries=few)
+    assert len({t for _, t in rows}) == 200
+    older = {t for _, t in docstring_prompts(10_000, pool=stub_pools["libraries"])}
+    older |= {t for _, t in docstring_prompts(10_000, pool=stub_pools["functions"])}
+    older |= {t for _, t in docstring_prompts(10_000, pool=stub_pools["methods"])}
+    assert not {t for _, t in rows} & older  # nothing an earlier pool could have drawn
+    head = P.humaneval()[0].content
+    head = head[: head.index("```python")]
+    assert all(t.startswith(head + "```python\n") and t.endswith('"""\n```') for _, t in rows)
+    check_no_leaks([{"id": i, "dataset": "package", "content": t} for i, t in rows])
+    codes = [P.normalize(p.meta["code"]) for p in P.humaneval()]
+    assert not any(P.normalize(t.split('"""')[1]) in c for _, t in rows for c in codes)
+    from dflash.train import code_prompts
+    monkeypatch.setattr(code_prompts, "PACKAGES", few)  # the data command's `package` source reads PACKAGES
+    listed = build_prompts(DataConfig(num_prompts=20, mix={"package": 0.5, "math": 0.5}, seed=3))
+    assert [r["dataset"] for r in listed].count("package") == 10
+    assert [r["content"] for r in listed if r["dataset"] == "package"] == [t for _, t in rows[:10]]
+    with pytest.raises(DataError, match="unknown sources in mix"):
+        build_prompts(DataConfig(num_prompts=4, mix={"packages": 1.0}))
 
 
 def test_a_source_gets_its_own_response_limit(tmp_path):

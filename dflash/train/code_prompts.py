@@ -1,7 +1,8 @@
 """Code prompts assembled here from task templates (never HumanEval): a training source for
 the code domain, and HumanEval-shaped stubs (a signature and a docstring to complete) from the
-Python standard library's own source and from the pure-Python libraries every install of
-torch brings along. Deterministic: the same seed (and the same installed versions) gives the
+Python standard library's own source, from the pure-Python libraries every install of
+torch brings along, and from the larger packages dflash's own install brings (matplotlib,
+pandas, rich, ...). Deterministic: the same seed (and the same installed versions) gives the
 same list."""
 
 from __future__ import annotations
@@ -139,6 +140,11 @@ def docstring_functions(root: str | Path | None = None, methods: bool = False,
 
 # torch's own pure-Python dependencies (mpmath comes with sympy): on every machine dflash runs
 LIBRARIES = ("sympy", "mpmath", "networkx", "jinja2")
+# the next pool (the `package` source, session 22, once LIBRARIES was spent): pure-Python
+# packages `make test` installs beside dflash (its bench, data, serve and test extras and their
+# own dependencies), ~3.8 K stubs; transformers would add ~4 K more but takes minutes to parse
+PACKAGES = ("matplotlib", "pandas", "fontTools", "rich", "PIL", "numpy", "setuptools", "huggingface_hub",
+            "fsspec", "openpyxl", "click", "pygments", "packaging")
 
 
 def library_functions(libraries: tuple[str, ...] = LIBRARIES) -> list[tuple[str, str]]:
@@ -204,18 +210,19 @@ def _stub(node: ast.AST) -> ast.FunctionDef | None:
 
 
 def docstring_prompts(n: int = 2000, seed: int = 0, root: str | Path | None = None,
-                      methods: bool = False, libraries: bool = False,
+                      methods: bool = False, libraries: tuple[str, ...] = (),
                       pool: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
     """(id, user message) pairs: `n` standard-library stubs (functions, or with `methods` class
-    methods; with `libraries`, both from `LIBRARIES` instead) in a seeded order, each asked as
-    the benchmark asks HumanEval (the same instruction, the stub in a Python code block).
-    `pool`: the (id, stub) pairs to draw from, as `docstring_functions` or `library_functions`
-    returned them (then root, methods and libraries are not read: nothing is parsed again)."""
+    methods; with `libraries`, e.g. LIBRARIES or PACKAGES, both from those packages instead) in
+    a seeded order, each asked as the benchmark asks HumanEval (the same instruction, the stub
+    in a Python code block). `pool`: the (id, stub) pairs to draw from, as `docstring_functions`
+    or `library_functions` returned them (then root, methods and libraries are not read:
+    nothing is parsed again)."""
     from dflash.text.prompts import _HUMANEVAL_INSTRUCTION
 
     if pool is not None:
         stubs = list(pool)
     else:
-        stubs = library_functions() if libraries else docstring_functions(root, methods)
+        stubs = library_functions(libraries) if libraries else docstring_functions(root, methods)
     random.Random(seed).shuffle(stubs)
     return [(i, f"{_HUMANEVAL_INSTRUCTION}```python\n{code}```") for i, code in stubs[:n]]

@@ -112,7 +112,8 @@ class DataConfig:
     num_prompts: int = 3000
     # sources: math, code (templated requests), docstring (standard-library stubs to complete, the
     # HumanEval shape), method (the same from the standard library's class methods), library
-    # (functions and methods of sympy, mpmath, networkx, jinja2: torch's own dependencies), sharegpt
+    # (functions and methods of sympy, mpmath, networkx, jinja2: torch's own dependencies), package
+    # (the same from matplotlib, pandas, rich, numpy, ...: code_prompts.PACKAGES), sharegpt
     # (first human turns), followup (ShareGPT's later human turns, the exchange before each as context)
     mix: dict = field(default_factory=lambda: {"math": 0.4, "code": 0.3, "sharegpt": 0.3})
     layer_ids: list[int] = field(default_factory=lambda: [1, 8, 14, 20, 27])

@@ -39,7 +39,7 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     """Interleave the sources by `cfg.mix` weights, dedupe on normalised text, refuse any
     prompt whose normalised text equals an evaluation prompt's."""
     from dflash.text import prompts as P
-    from dflash.train.code_prompts import code_prompts, docstring_prompts
+    from dflash.train.code_prompts import LIBRARIES, PACKAGES, code_prompts, docstring_prompts
 
     excluded = excluded_prompts(cfg.exclude_lists)  # normalised text -> source
     extra = Counter(excluded.values())
@@ -55,7 +55,9 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     if "method" in want:  # the same shape: public methods of the standard library's classes
         pools["method"] = docstring_prompts(want["method"], seed=cfg.seed, methods=True)
     if "library" in want:  # the same shape again, from the libraries torch installs (sympy, ...)
-        pools["library"] = docstring_prompts(want["library"], seed=cfg.seed, libraries=True)
+        pools["library"] = docstring_prompts(want["library"], seed=cfg.seed, libraries=LIBRARIES)
+    if "package" in want:  # and from the larger packages dflash's install brings (matplotlib, ...)
+        pools["package"] = docstring_prompts(want["package"], seed=cfg.seed, libraries=PACKAGES)
     if "sharegpt" in want:
         rows = P.sharegpt(split="train")
         rng = np.random.default_rng(cfg.seed)
@@ -106,7 +108,7 @@ def excluded_prompts(folders: list[str]) -> dict[str, str]:
     return out
 
 
-SOURCES = ("math", "code", "docstring", "method", "library", "sharegpt", "followup")
+SOURCES = ("math", "code", "docstring", "method", "library", "package", "sharegpt", "followup")
 
 
 def _check_sources(names: set[str], what: str) -> None:
