@@ -157,21 +157,46 @@ class RecordingProposer(gen.DraftProposer):
         return block
 
 
-def test_draft_vocabulary_keeps_output_exact(llama):
-    """A draft restricted to a vocabulary subset proposes only those ids; output is unchanged."""
+@pytest.mark.parametrize("context_vocab", [False, True])
+def test_draft_vocabulary_keeps_output_exact(llama, context_vocab):
+    """A draft restricted to a vocabulary subset proposes only those ids (with its context
+    vocabulary, also the prompt's and the output's ids); output is unchanged."""
     vocab = list(range(0, 96, 3))
     draft = tiny_draft(llama, block_size=8)
     draft.config.draft_vocab = vocab
-    proposed = []
+    proposed, seen = [], {2, 7, 1, 8}
     ids = torch.tensor([[2, 7, 1, 8]])
     for temperature in (0.0, 1.0):
         gen_ = torch.Generator().manual_seed(0)
-        spy = RecordingProposer(draft, TargetModel(llama), SamplingParams(temperature), draft.config.mask_token_id, gen_)
+        spy = RecordingProposer(draft, TargetModel(llama), SamplingParams(temperature), draft.config.mask_token_id, gen_,
+                                context_vocab=context_vocab)
         out = dflash_generate(draft, llama, ids, 30, None, temperature, generator=gen_, proposer=spy)
         proposed += spy.proposed
+        seen |= set(out[0].tolist())
         if temperature == 0.0:
             assert torch.equal(out, hf_greedy(llama, ids, 30))
-    assert proposed and set(proposed) <= set(vocab)
+    if context_vocab:  # ids outside the vocabulary are proposed, only ones the text had shown
+        assert set(proposed) - set(vocab) and set(proposed) <= set(vocab) | seen
+    else:
+        assert proposed and set(proposed) <= set(vocab)
+
+
+def test_a_widened_head_adds_the_texts_ids_and_leaves_the_vocabulary_alone(llama):
+    from dflash.engine.proposers import DraftHead
+
+    target = TargetModel(llama)
+    base = DraftHead.of([0, 3, 6, 9], target)
+    assert base.widened([3, 9, 0], target) is base  # nothing new: the same head
+    head = base.widened([5, 3, 5, 1], target).widened([1, 2], target)
+    assert base.extra_ids is None and base.ids.tolist() == [0, 3, 6, 9]  # the vocabulary's head is unchanged
+    assert head.vocab.tolist() == [0, 3, 6, 9, 1, 5, 2] and head.rows is base.rows
+    hidden = torch.randn(1, 3, llama.config.hidden_size)  # (1, S, H)
+    full = target.logits(hidden)  # (1, S, V)
+    assert torch.allclose(head.logits(target, hidden), full[..., head.vocab], atol=1e-5)
+    q = torch.softmax(head.logits(target, hidden), -1)  # (1, S, 7)
+    assert torch.equal(head.full_probs(q, full.shape[-1])[..., head.vocab], q)
+    assert head.to_vocab(torch.tensor([[4, 6]])).tolist() == [[1, 2]]
+    assert DraftHead().widened([1, 2], target).vocab is None  # the full head has every id already
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.02, 0.2, 1.0])

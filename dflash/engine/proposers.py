@@ -69,9 +69,14 @@ class Proposer:
 
 @dataclass
 class DraftHead:
-    """The lm_head the draft proposes with: all rows, or only its draft vocabulary's."""
+    """The lm_head the draft proposes with: all rows, or only its draft vocabulary's, plus the
+    rows of the ids the text brought in (`widened`: the prompt's and the output's ids outside
+    the vocabulary, so a name the prompt spells or the answer repeats can be proposed)."""
     ids: torch.Tensor | None = None  # (K,) vocabulary ids of the rows, None = the full head
     rows: torch.Tensor | None = None  # (K, H)
+    extra_ids: torch.Tensor | None = None  # (E,) ids the text brought in, none of them in `ids`
+    extra_rows: torch.Tensor | None = None  # (E, H)
+    known: frozenset[int] = frozenset()  # ids and extra_ids, for `widened`'s membership test
 
     @classmethod
     def build(cls, draft: DFlashDraftModel, target: TargetModel) -> "DraftHead":
@@ -84,37 +89,70 @@ class DraftHead:
         if vocab is None:
             return cls()
         ids = torch.tensor(vocab, dtype=torch.long, device=target.device)
-        return cls(ids, target.head_rows(ids))
+        return cls(ids, target.head_rows(ids), known=frozenset(vocab))
+
+    @property
+    def vocab(self) -> torch.Tensor | None:
+        """(K + E,) the ids of the logits' columns, None = the whole vocabulary."""
+        return self.ids if self.extra_ids is None else torch.cat([self.ids, self.extra_ids])
+
+    def widened(self, tokens: Sequence[int], target: TargetModel) -> "DraftHead":
+        """This head with the rows of `tokens`' ids it lacks (itself when it lacks none; a new
+        head otherwise: the shared vocabulary's rows are never copied or changed)."""
+        new = sorted({int(t) for t in tokens} - self.known) if self.ids is not None else []
+        if not new:
+            return self
+        ids = torch.tensor(new, dtype=torch.long, device=self.ids.device)  # (E',)
+        rows = target.head.weight.detach().index_select(0, ids)  # (E', H)
+        if self.extra_ids is not None:
+            ids, rows = torch.cat([self.extra_ids, ids]), torch.cat([self.extra_rows, rows])
+        return DraftHead(self.ids, self.rows, ids, rows, self.known | frozenset(new))
 
     def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (1, S, H) -> (1, S, V or K) the draft's logits."""
-        return target.logits(hidden, self.rows)
+        """hidden: (1, S, H) -> (1, S, V or K + E) the draft's logits."""
+        logits = target.logits(hidden, self.rows)  # (1, S, V or K)
+        if self.extra_ids is None:
+            return logits
+        return torch.cat([logits, target.logits(hidden, self.extra_rows)], dim=-1)  # (1, S, K + E)
 
     def to_vocab(self, idx: torch.Tensor) -> torch.Tensor:
-        return idx if self.ids is None else self.ids[idx]
+        vocab = self.vocab
+        return idx if vocab is None else vocab[idx]
 
     def full_probs(self, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """q: (1, K', Kv) over the draft vocabulary -> (1, K', V) over the whole vocabulary."""
-        if self.ids is None:
+        """q: (1, K', K + E) over the draft's columns -> (1, K', V) over the whole vocabulary."""
+        vocab = self.vocab
+        if vocab is None:
             return q
-        return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, self.ids, q)
+        return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, vocab, q)
 
 
 class DraftProposer(Proposer):
     """The DFlash draft as a proposer: one parallel pass over [last, mask x (size-1)] reading
-    the target's hidden states of the committed tokens it has not seen yet."""
+    the target's hidden states of the committed tokens it has not seen yet. With a draft
+    vocabulary and `context_vocab` (the default), the head also proposes the ids of the prompt
+    and of the committed text that the vocabulary lacks (`DraftHead.widened`)."""
     drafted = True  # every proposal is the draft's pass
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, params: SamplingParams, mask_id: int,
                  generator: torch.Generator | None = None, window: int | None = None, timer: NullTimer = NULL_TIMER,
-                 head: DraftHead | None = None):
+                 head: DraftHead | None = None, context_vocab: bool = True):
         """`head`: the rows the draft proposes from (default: its own draft vocabulary's)."""
         self.draft, self.target, self.params, self.mask_id = draft, target, params, mask_id
         self.generator, self.timer = generator, timer
         self.layer_ids = draft.config.target_layer_ids  # the target layers whose outputs are the context
         self.cache = draft.new_cache(window)
         self.head = head if head is not None else DraftHead.build(draft, target)
+        self.context_vocab = context_vocab
         self.layout = target.draft_layout(draft)  # the draft's linears as measured kernels (None: its modules)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        if self.context_vocab:
+            self.head = self.head.widened(prompt, self.target)
+
+    def commit(self, tokens: Sequence[int], path: Sequence[int] | None) -> None:
+        if self.context_vocab:
+            self.head = self.head.widened(tokens, self.target)
 
     def logits(self, ctx_hidden: torch.Tensor, last: torch.Tensor, pos: int, size: int) -> torch.Tensor:
         """ctx_hidden: (1, C, kH) the context not yet in the draft cache; last: (1,) the last
@@ -209,6 +247,8 @@ class TreeProposer(Proposer):
     def start(self, prompt: Sequence[int]) -> None:
         self.index = SuffixIndex(prompt)
         self.state.begin_request()
+        if self.draft is not None:
+            self.draft.start(prompt)
 
     @property
     def calibration(self) -> Calibration:
@@ -239,7 +279,7 @@ class TreeProposer(Proposer):
         if self.drafted:
             start = time.perf_counter()
             probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
-            builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.ids)
+            builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.vocab)
             self.state.observe_draft_ms((time.perf_counter() - start) * 1e3, self.draft_cost)
         tree = builder.build(self._budget(builder.build(self.max_nodes, last.device)), last.device)
         self._last = (tree, weights)
@@ -286,6 +326,8 @@ class TreeProposer(Proposer):
         return max(range(len(rate)), key=rate.__getitem__)
 
     def commit(self, tokens, path) -> None:
+        if self.draft is not None:
+            self.draft.commit(tokens, None)
         if self.index is not None:
             self.index.extend(tokens)
         if self._last is not None and path is not None:
