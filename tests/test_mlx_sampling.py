@@ -21,7 +21,8 @@ if os.environ.get("CI", "").lower() not in ("true", "1"):  # CI installs .[mlx]:
 from mlx_lm.utils import load_model
 
 from dflash.backends.mlx.api import _rope_overrides, load_draft
-from dflash.backends.mlx.loop import stream_tokens
+from dflash.backends.mlx.loop import DraftProposer, stream_tokens
+from dflash.backends.mlx.sampling import Keys
 from dflash.backends.mlx.target import MLXTarget
 from dflash.engine.request import SamplingParams
 from dflash.testing import markov_target, tiny_draft, transition_pvalue, transition_table
@@ -64,8 +65,11 @@ def test_sampled_tokens_follow_the_target_distribution(markov, case):
     params, vocab, threshold = CASES[case]
     draft = load_draft(path / "draft")
     draft.config.draft_vocab = vocab
+    proposer = None
+    if vocab:  # the vocabulary alone (the prompt shows every id outside it: a widened head has all V)
+        proposer = DraftProposer(draft, mlx_target, params, draft.config.mask_token_id, Keys(1), 8, context_vocab=False)
     steps = list(stream_tokens(mlx_target, draft, PROMPT, max_tokens=1200, params=params, block_size=4,
-                               seed=0, draft_window=8, draft_threshold=threshold))
+                               seed=0, draft_window=8, draft_threshold=threshold, proposer=proposer))
     tokens = PROMPT[-1:] + [t for s in steps for t in s.tokens]
     table = transition_table(target, params)
     assert table.max() < 0.9 and (table > 0).sum() >= 2 * V  # spread, so a biased sampler would show

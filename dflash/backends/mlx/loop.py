@@ -61,40 +61,80 @@ class Proposal:
 @dataclass
 class DraftHead:
     """The head the draft proposes with: the target's whole output projection, or only the
-    rows of the draft vocabulary (`dflash_config.draft_vocab`)."""
+    rows of the draft vocabulary (`dflash_config.draft_vocab`), plus the rows of the ids the
+    text brought in that the vocabulary lacks (`widened`, as the torch engine's head)."""
     ids: mx.array | None = None  # (Kv,) vocabulary ids of the rows, None = the full head
     rows: mx.array | None = None  # (Kv, H)
+    extra_ids: mx.array | None = None  # (E,) ids the text brought in, none of them in `ids`
+    extra_rows: mx.array | None = None  # (E, H)
+    known: frozenset[int] = frozenset()  # ids and extra_ids
 
     @classmethod
     def build(cls, draft: MLXDraftModel, target: MLXTarget) -> DraftHead:
         if draft.config.draft_vocab is None:
             return cls()
         ids = mx.array(draft.config.draft_vocab, dtype=mx.int32)  # (Kv,)
-        return cls(ids, target.head_rows(ids))
+        return cls(ids, target.head_rows(ids), known=frozenset(draft.config.draft_vocab))
+
+    @property
+    def vocab(self) -> mx.array | None:
+        """(Kv + E,) the ids of the logits' columns, None = the whole vocabulary."""
+        return self.ids if self.extra_ids is None else mx.concatenate([self.ids, self.extra_ids])
+
+    def widened(self, tokens, target: MLXTarget) -> DraftHead:
+        """This head with the rows of `tokens`' ids it lacks (itself when it lacks none)."""
+        new = sorted({int(t) for t in tokens} - self.known) if self.ids is not None else []
+        if not new:
+            return self
+        ids = mx.array(new, dtype=mx.int32)  # (E',)
+        rows = target.head_rows(ids)  # (E', H)
+        if self.extra_ids is not None:
+            ids, rows = mx.concatenate([self.extra_ids, ids]), mx.concatenate([self.extra_rows, rows])
+        return DraftHead(self.ids, self.rows, ids, rows, self.known | frozenset(new))
+
+    def logits(self, target: MLXTarget, hidden: mx.array) -> mx.array:
+        """hidden: (S, H) -> (S, V or Kv + E) the draft's logits."""
+        logits = target.logits(hidden, self.rows)  # (S, V or Kv)
+        if self.extra_ids is None:
+            return logits
+        return mx.concatenate([logits, target.logits(hidden, self.extra_rows)], axis=-1)  # (S, Kv + E)
 
     def to_vocab(self, idx: mx.array) -> mx.array:
         """Row indices (K,) -> vocabulary ids (K,)."""
-        return idx if self.ids is None else self.ids[idx]
+        vocab = self.vocab
+        return idx if vocab is None else vocab[idx]
 
     def full_probs(self, q: mx.array, vocab_size: int) -> mx.array:
-        """q: (K, Kv) over the draft vocabulary -> (K, V) over the whole vocabulary."""
-        if self.ids is None:
+        """q: (K, Kv + E) over the draft's columns -> (K, V) over the whole vocabulary."""
+        vocab = self.vocab
+        if vocab is None:
             return q
         full = mx.zeros((q.shape[0], vocab_size), dtype=q.dtype)  # (K, V)
-        full[:, self.ids] = q
+        full[:, vocab] = q
         return full
 
 
 class DraftProposer:
     """The DFlash draft as a proposer: one parallel pass over [last, mask x (size-1)] reading
-    the target's hidden states of the committed tokens it has not seen yet."""
+    the target's hidden states of the committed tokens it has not seen yet; with a draft
+    vocabulary and `context_vocab`, its head also proposes the prompt's and the committed
+    text's ids the vocabulary lacks."""
 
     def __init__(self, draft: MLXDraftModel, target: MLXTarget, params: SamplingParams, mask_id: int,
-                 keys: Keys, window: int | None = None):
+                 keys: Keys, window: int | None = None, context_vocab: bool = True):
         self.draft, self.target, self.params, self.mask_id, self.keys = draft, target, params, mask_id, keys
         self.layer_ids = draft.config.target_layer_ids  # the target layers whose outputs are the context
         self.cache = draft.new_cache(window)
         self.head = DraftHead.build(draft, target)
+        self.context_vocab = context_vocab
+
+    def start(self, prompt) -> None:
+        if self.context_vocab:
+            self.head = self.head.widened(prompt, self.target)
+
+    def commit(self, tokens) -> None:
+        if self.context_vocab:
+            self.head = self.head.widened(tokens, self.target)
 
     def propose(self, ctx_hidden: mx.array, last: int, pos: int, size: int, want_conf: bool = False) -> Proposal:
         """ctx_hidden: (1, C, kH) the context not yet in the draft cache; last: the last
@@ -102,7 +142,7 @@ class DraftProposer:
         block = mx.array([[last] + [self.mask_id] * (size - 1)])  # (1, S)
         noise = self.target.embed(block, self.draft.config.input_embedding_scale)  # (1, S, H)
         hidden = self.draft(noise, ctx_hidden, self.cache)  # (1, S, H)
-        logits = self.target.logits(hidden[0, 1:].astype(self.target.dtype), self.head.rows)  # (S-1, V or Kv)
+        logits = self.head.logits(self.target, hidden[0, 1:].astype(self.target.dtype))  # (S-1, V or Kv + E)
         if self.params.greedy or self.params.rule == "match":
             idx = mx.argmax(logits, axis=-1)  # (S-1,)
             conf = mx.softmax(logits.astype(mx.float32), axis=-1).max(axis=-1) if want_conf else None  # (S-1,)
@@ -187,11 +227,15 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], *, max_tok
     policy = policy or ThresholdPolicy(draft_threshold)
     layer_ids = getattr(proposer, "layer_ids", None) if block_size > 1 else None
     cache = target.new_cache()
+    if proposer is not None:
+        proposer.start(ids)
 
     logits, ctx_hidden = _prefill(target, ids, cache, layer_ids, prefill_step_size)  # (1, 1, V), (1, T, kH)
     last = next_token(logits[0, -1], params, keys)
     generated, pos = 1, len(ids)  # pos: position of `last`, not yet in the target cache
     finish = "stop" if last in stop else ("length" if generated >= max_tokens else None)
+    if proposer is not None:
+        proposer.commit([last])
     yield Step([last], 0, 0, finish)
 
     empty = Proposal(mx.zeros((0,), dtype=mx.int32))
@@ -206,6 +250,8 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], *, max_tok
         n_accepted, last = _verify(block, target, final[0], params, keys)
         new, finish = _cut_at_stop(block.tokens[:n_accepted].tolist() + [last], stop)
         cache.crop_to(pos + len(new))  # keep `last` and the accepted proposals
+        if proposer is not None:
+            proposer.commit(new)
         if hidden is not None:  # the next context: what the draft has not seen yet
             seen = hidden[:, : len(new)]  # (1, n, kH)
             ctx_hidden = seen if ctx_hidden is None else mx.concatenate([ctx_hidden, seen], axis=1)
