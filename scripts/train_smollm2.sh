@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the shipped draft dflash/drafts/smollm2-135m-instruct on a CPU machine, in the
-# fifteen stages it was trained in. Every step resumes: re-run after an interruption and it continues
+# sixteen stages it was trained in. Every step resumes: re-run after an interruption and it continues
 # where it stopped.
 #   stage 1 (session 2, run main2): the first 26 shards of 64 prompts, an 800-step cosine at lr
 #            1e-3 from the target's layers (the run itself planned 950 steps and was cut to 800 at
@@ -55,7 +55,11 @@
 #   stage 15 (session 21, run h15): warm-started from stage 14's last step on the newest data only:
 #            the 40 shards of data/smollm2-l and the first 28 of data/smollm2-m (the first list with
 #            follow-up chat), a 600-step cosine at peak lr 2e-4 (session 21 started it from the
-#            shipped fp16 copy of stage 14); its last step is the shipped draft
+#            shipped fp16 copy of stage 14)
+#   stage 16 (session 22, run h16): warm-started from stage 15's last step on data/smollm2-l, all
+#            40 shards of data/smollm2-m and the first 22 of data/smollm2-n (the first list with the
+#            `package` source: HumanEval-shaped stubs from matplotlib, pandas, rich, ...), a 700-step
+#            cosine at peak lr 2e-4; its last step is the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +92,8 @@ RUN14=${RUN14:-runs/fit/h14}
 DATA13=${DATA13:-runs/data/smollm2-l}
 DATA14=${DATA14:-runs/data/smollm2-m}
 RUN15=${RUN15:-runs/fit/h15}
+DATA15=${DATA15:-runs/data/smollm2-n}
+RUN16=${RUN16:-runs/fit/h16}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -109,7 +115,7 @@ $PY -m dflash.cli train data --out "$DATA4" --num-prompts 9000 --first-shard 94 
 rebuild() {  # $1 a kept list under data/, $2 its features folder: the features by prefill (missing shards generated)
     $PY -m dflash.cli train data --config "data/$1/data_config.json" --out "$2" --responses "data/$1" --threads "$THREADS"
 }
-warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON[, $5 steps (500)[, $6 lr (5e-4)]]]: stages 4-15, gamma 4
+warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON[, $5 steps (500)[, $6 lr (5e-4)]]]: stages 4-16, gamma 4
     $PY -m dflash.cli train fit --data "$2" --more-data "${4:-[]}" --out "$1" --resume --init-from "$3" \
         --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr "${6:-5e-4}" \
         --warmup-frac 0.04 --max-steps "${5:-500}" --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 \
@@ -138,8 +144,13 @@ rebuild smollm2-l "$DATA13"
 $PY -m dflash.cli train data --config data/smollm2-m/data_config.json --out "$DATA14" --responses data/smollm2-m \
     --max-shards 28 --threads "$THREADS"
 warm "$RUN15" "$DATA13" "$RUN14/final" "[\"$DATA14\"]" 600 2e-4
+rebuild smollm2-m "$DATA14"
+$PY -m dflash.cli train data --config data/smollm2-n/data_config.json --out "$DATA15" --responses data/smollm2-n \
+    --max-shards 22 --threads "$THREADS"
+warm "$RUN16" "$DATA13" "$RUN15/final" "[\"$DATA14\", \"$DATA15\"]" 700 2e-4
 $PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" "$RUN11" \
-    "$RUN12" "$RUN13" "$RUN14" "$RUN15" --chain --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 h15 \
+    "$RUN12" "$RUN13" "$RUN14" "$RUN15" "$RUN16" --chain \
+    --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 h15 h16 \
     --out docs/training_lineage.png
-$PY -m dflash.cli train ship "$RUN15" --which final --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h14/final (stage 14)"}'
+$PY -m dflash.cli train ship "$RUN16" --which final --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h15/final (stage 15)"}'
