@@ -77,6 +77,7 @@ class DraftHead:
     extra_ids: torch.Tensor | None = None  # (E,) ids the text brought in, none of them in `ids`
     extra_rows: torch.Tensor | None = None  # (E, H)
     known: frozenset[int] = frozenset()  # ids and extra_ids, for `widened`'s membership test
+    columns: torch.Tensor | None = None  # (K + E,) ids then extra_ids, built once per widening
 
     @classmethod
     def build(cls, draft: DFlashDraftModel, target: TargetModel) -> "DraftHead":
@@ -89,12 +90,12 @@ class DraftHead:
         if vocab is None:
             return cls()
         ids = torch.tensor(vocab, dtype=torch.long, device=target.device)
-        return cls(ids, target.head_rows(ids), known=frozenset(vocab))
+        return cls(ids, target.head_rows(ids), known=frozenset(vocab), columns=ids)
 
     @property
     def vocab(self) -> torch.Tensor | None:
         """(K + E,) the ids of the logits' columns, None = the whole vocabulary."""
-        return self.ids if self.extra_ids is None else torch.cat([self.ids, self.extra_ids])
+        return self.columns
 
     def widened(self, tokens: Sequence[int], target: TargetModel) -> "DraftHead":
         """This head with the rows of `tokens`' ids it lacks (itself when it lacks none; a new
@@ -106,7 +107,7 @@ class DraftHead:
         rows = target.head.weight.detach().index_select(0, ids)  # (E', H)
         if self.extra_ids is not None:
             ids, rows = torch.cat([self.extra_ids, ids]), torch.cat([self.extra_rows, rows])
-        return DraftHead(self.ids, self.rows, ids, rows, self.known | frozenset(new))
+        return DraftHead(self.ids, self.rows, ids, rows, self.known | frozenset(new), torch.cat([self.ids, ids]))
 
     def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (1, S, H) -> (1, S, V or K + E) the draft's logits."""

@@ -68,18 +68,19 @@ class DraftHead:
     extra_ids: mx.array | None = None  # (E,) ids the text brought in, none of them in `ids`
     extra_rows: mx.array | None = None  # (E, H)
     known: frozenset[int] = frozenset()  # ids and extra_ids
+    columns: mx.array | None = None  # (Kv + E,) ids then extra_ids, built once per widening
 
     @classmethod
     def build(cls, draft: MLXDraftModel, target: MLXTarget) -> DraftHead:
         if draft.config.draft_vocab is None:
             return cls()
         ids = mx.array(draft.config.draft_vocab, dtype=mx.int32)  # (Kv,)
-        return cls(ids, target.head_rows(ids), known=frozenset(draft.config.draft_vocab))
+        return cls(ids, target.head_rows(ids), known=frozenset(draft.config.draft_vocab), columns=ids)
 
     @property
     def vocab(self) -> mx.array | None:
         """(Kv + E,) the ids of the logits' columns, None = the whole vocabulary."""
-        return self.ids if self.extra_ids is None else mx.concatenate([self.ids, self.extra_ids])
+        return self.columns
 
     def widened(self, tokens, target: MLXTarget) -> DraftHead:
         """This head with the rows of `tokens`' ids it lacks (itself when it lacks none)."""
@@ -90,7 +91,7 @@ class DraftHead:
         rows = target.head_rows(ids)  # (E', H)
         if self.extra_ids is not None:
             ids, rows = mx.concatenate([self.extra_ids, ids]), mx.concatenate([self.extra_rows, rows])
-        return DraftHead(self.ids, self.rows, ids, rows, self.known | frozenset(new))
+        return DraftHead(self.ids, self.rows, ids, rows, self.known | frozenset(new), mx.concatenate([self.ids, ids]))
 
     def logits(self, target: MLXTarget, hidden: mx.array) -> mx.array:
         """hidden: (S, H) -> (S, V or Kv + E) the draft's logits."""
