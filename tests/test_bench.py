@@ -196,6 +196,31 @@ def test_draft_vocabulary_what_if_stays_exact(pipe):
     assert pipe.draft.config.draft_vocab is None  # the what-if builds its own head: the draft is not changed
 
 
+def test_the_plain_vocabulary_arm_runs_the_shipped_draft_vocabulary_unwidened(monkeypatch):
+    """--plain-vocab: the chain once more with the draft vocabulary as shipped; the default
+    chain widens it by the prompt's and the answer's ids; both stay exact."""
+    from dflash.engine.proposers import DraftProposer
+
+    target = tiny_target("llama")
+    draft = tiny_draft(target, block_size=8)
+    draft.config.draft_vocab = list(range(20))
+    small = Pipeline(TargetModel(target), draft, ByteTokenizer(), False)
+    proposed = {True: set(), False: set()}  # context_vocab -> the ids the chain proposed
+    real = DraftProposer.propose
+
+    def spied(self, *a, **k):  # our own class: recording what each arm proposes
+        out = real(self, *a, **k)
+        proposed[self.context_vocab] |= set(out.tokens.flatten().tolist())
+        return out
+    monkeypatch.setattr(DraftProposer, "propose", spied)
+    methods = build_methods(Settings(block_sizes=(8,), prompt_lookup=0, loop_baseline=False, plain_vocab=True))
+    assert [n for n, _ in methods] == [BASELINE, "dflash-b8", "dflash-b8-plainvocab"]
+    records = bench.run_bench(small, PROMPTS, methods, 16, warmup=False)
+    assert bench.check_equal(records) == []
+    assert proposed[False] and max(proposed[False]) < 20  # only the shipped vocabulary
+    assert max(proposed[True]) >= 20  # the widened head proposed ids of the text too
+
+
 def test_draft_threshold_methods_stay_exact_and_propose_less(pipe):
     settings = Settings(block_sizes=(8,), prompt_lookup=0, loop_baseline=False, draft_thresholds=(0.02, 1.0))
     methods = build_methods(settings)

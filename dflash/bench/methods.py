@@ -39,6 +39,7 @@ class Settings:
     draft_thresholds: tuple[float, ...] = ()  # also the largest block verifying only proposals with draft prob >= P
     proposers: tuple[str, ...] = ()  # also these proposers at the largest block: "tree", "suffix", "hybrid"
     adaptive: bool = False  # also the draft's chain at the largest block with the adaptive verify policy
+    plain_vocab: bool = False  # also the draft's chain at the largest block without the context vocabulary
     cost_source: Callable | None = None  # pipeline -> its CostModel (sizes trees); None: measured and cached
     compare_drafts: tuple[str, ...] = ()  # also every draft method with each of these draft checkpoints
     compare_kernels: tuple[str, ...] = ()  # also every draft method with each of these kernel settings
@@ -103,9 +104,11 @@ def _rss() -> int:
 
 # ---- our loop ------------------------------------------------------------------------
 def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = None, threshold: float = 0.0,
-                proposer_kind: str | None = None, adaptive: bool = False) -> Method:
+                proposer_kind: str | None = None, adaptive: bool = False, context_vocab: bool = True) -> Method:
     """dflash's loop at `block_size` (1: plain target decoding through the same loop), with the
-    draft's chain or another proposer (`proposer_kind`, sized by the machine's cost model)."""
+    draft's chain or another proposer (`proposer_kind`, sized by the machine's cost model).
+    `context_vocab=False`: the chain's head keeps the draft vocabulary as shipped, not widened
+    by the ids of the prompt and the answer (`DraftHead.widened`)."""
     vocab: dict[int, list[int]] = {}  # the draft vocabulary per pipeline, built on first use
     costs: dict[int, object] = {}  # the cost model per pipeline, built on first use
 
@@ -118,6 +121,9 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
                 vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
             proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
                                      head=DraftHead.of(vocab[id(pipe)], pipe.target))
+        elif not context_vocab and block_size > 1:
+            proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
+                                     context_vocab=False)
         cost, policy = None, None
         if proposer_kind is not None or adaptive:
             if id(pipe) not in costs:
@@ -147,7 +153,7 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
         extra = {"accepted_per_source": stats.num_accepted_tokens_per_source,
                  "draft_passes": stats.num_draft_passes} if stats.num_drafts else {}
         name = _loop_name(block_size) if proposer_kind is None else _proposer_name(proposer_kind, block_size)
-        name += "-adaptive" if adaptive else ""
+        name += ("-adaptive" if adaptive else "") + ("" if context_vocab else "-plainvocab")
         return Record(name, tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb, extra=extra)
 
     return run
@@ -242,6 +248,8 @@ def _loop_methods(settings: Settings):
         methods += [(f"{_loop_name(top)}-t{p:g}", loop_method(top, settings, threshold=p)) for p in settings.draft_thresholds]
         if settings.adaptive:
             methods.append((f"{_loop_name(top)}-adaptive", loop_method(top, settings, adaptive=True)))
+        if settings.plain_vocab:
+            methods.append((f"{_loop_name(top)}-plainvocab", loop_method(top, settings, context_vocab=False)))
         methods += [(_proposer_name(k, top), loop_method(top, settings, proposer_kind=k)) for k in settings.proposers]
     return methods
 

@@ -154,6 +154,7 @@ def run_bench_command(args) -> int:
     settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline,
                         tuple(args.draft_vocab), draft_thresholds=tuple(args.draft_threshold),
                         proposers=tuple(args.proposers), adaptive=args.adaptive,
+                        plain_vocab=getattr(args, "plain_vocab", False),
                         compare_drafts=tuple(getattr(args, "compare_draft", ())),
                         compare_kernels=tuple(getattr(args, "compare_kernels", ())))
     methods = build_methods(settings)

@@ -27,6 +27,9 @@ def add_bench(sub) -> None:
                    "matches of the text), hybrid (both in one tree); trees are sized by this machine's cost model")
     p.add_argument("--adaptive", action="store_true",
                    help="also the draft's chain at the largest block with the adaptive verify policy (cost model)")
+    p.add_argument("--plain-vocab", action="store_true",
+                   help="also the draft's chain at the largest block with its draft vocabulary as shipped, not "
+                   "widened by the ids of the prompt and the answer (the context vocabulary, on by default)")
     p.add_argument("--compare-draft", nargs="+", default=[], metavar="DIR",
                    help="also run every method that uses the draft with these draft checkpoints (named "
                    "METHOD@DIR), interleaved prompt by prompt with the --draft ones on the same target")
