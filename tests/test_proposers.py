@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash.engine import loop as gen
-from dflash.engine.proposers import DraftGain, DraftProposer, TreeProposer, offer_bucket
+from dflash.engine.proposers import DraftGain, DraftProposer, TreeProposer, TreeState, offer_bucket
 from dflash.engine.request import SamplingParams
 from dflash.engine.suffix import GlobalSuffixIndex
 from dflash.engine.target import TargetModel
@@ -70,7 +70,7 @@ def test_budget_follows_the_cost_model():
     target, draft = TargetModel(model), tiny_draft(model, block_size=8)
     ids = torch.tensor([[2, 4, 6, 8]])
     steps = {}
-    for name, cost in [("cheap", lambda n: 1.0), ("dear", lambda n: 1.0 if n == 1 else 100.0)]:
+    for name, cost in [("cheap", lambda n: 1.0), ("dear", lambda n: 1.0 if n == 1 else 1e6)]:
         proposer = tree_proposer(target, draft, max_nodes=10, verify_cost=cost)
         run = list(gen.stream_generate(draft, target, ids, 20, block_size=8, proposer=proposer))
         out, steps[name] = [t for s in run for t in s.tokens], run[1:]
@@ -181,8 +181,10 @@ def test_the_drafts_gain_is_kept_apart_per_offer_of_the_text_sources():
     repeated, fresh = [5, 6, 7, 8] * 4 + [5, 6, 7], [3, 1, 4, 15, 9, 2, 6, 11]
 
     @torch.inference_mode()  # as the loop runs it
-    def sources(prompt):  # one request's first step, after what earlier steps taught the gains
-        proposer = tree_proposer(target, draft, verify_cost=lambda n: 1.0, draft_cost=1.0, probe_every=100)
+    def sources(prompt, probe_first=False):  # a request's first step, after what earlier ones taught the gains
+        state = TreeState(probe_first=probe_first)
+        proposer = tree_proposer(target, draft, verify_cost=lambda n: 1.0, draft_cost=1.0, probe_every=100,
+                                 state=state)
         proposer.gains[3].observe(2, 2.0, 5, 1.0)  # beside a strong match: 1 token/ms, 5 without the draft
         proposer.gains[0].observe(3, 2.0, 1, 1.0)  # with no match: 1.5 tokens/ms against 1
         proposer.start(prompt)
@@ -192,6 +194,34 @@ def test_the_drafts_gain_is_kept_apart_per_offer_of_the_text_sources():
         return proposer._offer, {s for node in tree.sources for s in node.split("+")}
     assert sources(repeated) == (3, {"suffix"})  # the draft lost beside this offer: not run
     assert sources(fresh) == (0, {"draft"})  # nothing to copy: the draft runs
+    assert sources(repeated, probe_first=True) == (3, {"suffix", "draft"})  # a new request's first probe
+
+
+def test_a_new_request_probes_the_draft_before_trusting_what_earlier_requests_taught():
+    """The gains carry over to the next request faded by `gain_carry`, and its first step in
+    each offer bucket runs the draft even where the earlier requests found it did not pay;
+    later steps follow the gain again (probing every `probe_every`)."""
+    model = tiny_target("llama")
+    target, draft = TargetModel(model), tiny_draft(model, block_size=8)
+    ids = torch.tensor([[3, 1, 4, 15, 9, 2, 6, 11]])  # nothing repeats: every step offers nothing (bucket 0)
+    state = TreeState()
+    state.gains[0].observe(1, 10.0, 1, 1.0)  # earlier: the draft's steps 10x slower for the same token
+
+    def drafted(state):
+        proposer = tree_proposer(target, draft, verify_cost=lambda n: 1.0, draft_cost=10.0, probe_every=100,
+                                 state=state)
+        steps = gen.stream_generate(draft, target, ids, 6, None, block_size=8, proposer=proposer)
+        return [s.drafted for s in list(steps)[1:]]  # after the prefill step
+    faded = TreeState()
+    faded.gains[0].observe(1, 10.0, 1, 1.0)
+    faded.begin_request()
+    assert faded.gains[0].sums == [0.5, 5.0, 0.5, 0.5]  # the old evidence weighs half beside the new
+    assert drafted(state)[0]  # the first step (nothing to copy yet: bucket 0) probes the draft
+    assert 0 not in state.unprobed and not state.gains[0].pays()  # probed; the probe lost too
+    old = TreeState(probe_first=False, gain_carry=1.0)
+    old.gains[0].observe(1, 10.0, 1, 1.0)
+    assert not drafted(old)[0]  # without the first probe, the earlier requests decide
+    assert drafted(TreeState(probe_first=False, gain_carry=1.0))[0]  # nothing learned yet: the draft runs
 
 
 @pytest.mark.parametrize("kind", ["draft", "tree", "suffix", "hybrid"])

@@ -306,10 +306,12 @@ class TreeProposer(Proposer):
     def _draft_pays(self) -> bool:
         """Run the draft pass this step? Yes while it wins on tokens per ms beside what the
         text sources offer this step (`DraftGain` of the offer's bucket), and once every
-        `probe_every` skipped steps of that bucket."""
-        skipped = self.state.skipped
-        if self.verify_cost is None or self.gain.pays():
+        `probe_every` skipped steps of that bucket, and on this request's first step in it
+        (`TreeState.probe_first`)."""
+        skipped, unprobed = self.state.skipped, self.state.unprobed
+        if self.verify_cost is None or self.gain.pays() or self._offer in unprobed:
             skipped[self._offer] = 0
+            unprobed.discard(self._offer)
             return True
         skipped[self._offer] += 1
         if skipped[self._offer] > self.probe_every:
@@ -371,6 +373,10 @@ class DraftGain:
     def observe(self, tokens: float, ms: float, tokens_without: float, ms_without: float) -> None:
         self.sums = [self.decay * s + x for s, x in zip(self.sums, (tokens, ms, tokens_without, ms_without))]
 
+    def fade(self, keep: float) -> None:
+        """Scale what was observed by `keep`: the next observations weigh more beside it."""
+        self.sums = [keep * s for s in self.sums]
+
     def pays(self) -> bool:
         tok, ms, tok0, ms0 = self.sums
         return ms == 0 or tok * ms0 >= tok0 * ms
@@ -383,16 +389,25 @@ class TreeState:
     time. A pipeline keeps one per proposer kind and decoding mode and hands it to each
     request's proposer, so a short answer (a 100-token function) does not end before its
     proposer has learned what the requests before it already knew; each new request fades
-    the calibration's evidence by `carry`, so it weighs less than what this request shows."""
+    the calibration's evidence by `carry` and the gains' by `gain_carry`, so they weigh less
+    than what this request shows, and (`probe_first`) runs the draft on its first step of each
+    offer bucket: a math question after a chat must not decode plainly for a dozen steps
+    because the chat's draft did not pay."""
     calibration: Calibration = field(default_factory=Calibration)
     gains: dict[int, DraftGain] = field(default_factory=lambda: {o: DraftGain() for o in OFFERS})
     skipped: dict[int, int] = field(default_factory=lambda: dict.fromkeys(OFFERS, 0))
+    unprobed: set[int] = field(default_factory=set)  # the offer buckets this request has not drafted in yet
     draft_ms: float | None = None  # running mean of the timed draft passes; None: none timed yet
     carry: float = 0.5
+    gain_carry: float = 0.5  # 1: the gains carry over whole
+    probe_first: bool = True
     decay: float = 0.8  # of the running mean of draft_ms
 
     def begin_request(self) -> None:
         self.calibration.fade(self.carry)
+        for gain in self.gains.values():
+            gain.fade(self.gain_carry)
+        self.unprobed = set(OFFERS) if self.probe_first else set()
 
     def observe_draft_ms(self, ms: float, current: float) -> None:
         """One timed draft pass; a pass over 4x the `current` estimate (a first call's warm-up,
