@@ -37,23 +37,6 @@ def test_interpolation_in_tokens_and_context():
     assert cm.CostModel.from_dict(m.to_dict()) == m
 
 
-def test_measure_on_a_tiny_target_with_a_counting_clock(pair):
-    target, draft = pair
-    reads = []
-
-    def clock():
-        reads.append(None)
-        return len(reads) * 1e-3  # one ms per reading
-
-    m = cm.measure(target, draft, ns=(1, 2, 4), contexts=(16, 32), second_ns=(1, 4), draft_blocks=(2, 4), reps=1,
-                   clock=clock)
-    assert m.ns == [1, 2, 4] and m.contexts == [16, 32] and len(m.context_verify) == 2
-    assert m.verify == [1.0, 1.0, 1.0]  # layers + row 0's head: between two readings
-    assert m.rest == [1.0, 1.0]  # the other rows' head, for k = 1 and 3
-    assert m.draft_blocks == [2, 4] and m.draft == [1.0, 1.0]
-    assert m.info["kernels"] == "torch"
-
-
 def _ms_clock():
     reads = []
 
@@ -61,6 +44,17 @@ def _ms_clock():
         reads.append(None)
         return len(reads) * 1e-3
     return clock
+
+
+def test_measure_on_a_tiny_target_with_a_counting_clock(pair):
+    target, draft = pair
+    m = cm.measure(target, draft, ns=(1, 2, 4), contexts=(16, 32), second_ns=(1, 4), draft_blocks=(2, 4), reps=1,
+                   clock=_ms_clock())
+    assert m.ns == [1, 2, 4] and m.contexts == [16, 32] and len(m.context_verify) == 2
+    assert m.verify == [1.0, 1.0, 1.0]  # layers + row 0's head: between two readings
+    assert m.rest == [1.0, 1.0]  # the other rows' head, for k = 1 and 3
+    assert m.draft_blocks == [2, 4] and m.draft == [1.0, 1.0]
+    assert m.info["kernels"] == "torch"
 
 
 def test_the_cache_makes_a_second_start_free(pair, tmp_path, monkeypatch):
