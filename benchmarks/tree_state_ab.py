@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     pipe = Pipeline.load(draft=args.draft)
     cost = pipe.cost_model()
-    old = dataclasses.replace(pipe, _tree_states={("hybrid", True): TreeState(gain_carry=1.0, probe_first=False)})
+    old = pipe.with_tree_state("hybrid", TreeState(gain_carry=1.0, probe_first=False))
     settings = Settings((args.block_size,), prompt_lookup=0, loop_baseline=False, cost_source=lambda _: cost)
     hybrid = loop_method(args.block_size, settings, proposer_kind="hybrid")
     b = args.block_size

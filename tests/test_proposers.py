@@ -258,6 +258,12 @@ def test_a_pipelines_trees_carry_what_they_learned_to_the_next_request():
     next(second)  # the prefill step: the new request's proposer has begun
     assert state.calibration.claimed == pytest.approx({s: state.carry * v for s, v in claimed.items()})
     assert pipe.tree_state("hybrid", SamplingParams(1.0)) is not state  # sampled requests learn apart
+    old = TreeState(gain_carry=1.0, probe_first=False)
+    view = pipe.with_tree_state("hybrid", old)  # one side of a carry-over A/B, on the same models
+    assert view.target is pipe.target and view.draft is pipe.draft and view.cost_model() is flat
+    assert view.tree_state("hybrid", SamplingParams()) is old and pipe.tree_state("hybrid", SamplingParams()) is state
+    out = [t for s in view.stream(ids, 24, stop_token_ids=[]) for t in s.tokens]
+    assert out == hf_greedy(model, ids, 24)[0, 7:].tolist() and old.draft_ms is not None  # the view's trees learn there
     assert pipe.tree_state("suffix", SamplingParams()) is not state
 
 

@@ -160,6 +160,13 @@ class Pipeline:
         check_compatible(d.config, self.target)
         return Pipeline(self.target, d, self.tokenizer, True, str(path), self.spec).warm()
 
+    def with_tree_state(self, kind: str, state: TreeState, greedy: bool = True) -> "Pipeline":
+        """This pipeline's models, tokenizer and cost model, whose `kind` trees (of greedy or
+        sampled requests) start from `state`: one side of an A/B of what trees carry from
+        request to request (benchmarks/tree_state_ab.py)."""
+        return Pipeline(self.target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec,
+                        _cost_model=self._cost_model, _tree_states={(kind, greedy): state})
+
     def with_kernels(self, kernels: str) -> "Pipeline":
         """This model, tokenizer and draft on a new target adapter with the kernel setting
         `kernels` (engine/target.py), with its own cost model and tree states: one side of a
