@@ -542,6 +542,21 @@ def test_a_warm_start_is_scored_at_step_0_and_kept_unless_beaten(tmp_path):
     assert not (tmp_path / "best.json").exists()  # an earlier, better score stays best
 
 
+def test_the_heldout_sample_spans_every_folder_of_the_pool():
+    """The held-out sequences come folder by folder; the evaluator's fixed sample is spread from
+    the first to the last of them, not the first folder's prefix (stages 6-18 scored only the
+    first 32, all from their first folder)."""
+    from dflash.train.evaluate import Evaluator, spread
+
+    assert spread(1063, 32)[:3] == [0, 34, 69] and spread(1063, 32)[-1] == 1062
+    assert len(set(spread(40, 32))) == 32 and spread(5, 32) == [0, 1, 2, 3, 4] and spread(9, 1) == [0]
+    target = tiny_target("llama")
+    t = Trainer(fit_cfg(heldout_frac=0.5), target, make_seqs(target, n=12), MASK, LAYERS)
+    assert len(t.heldout) >= 3
+    ids = [t.heldout[i].id for i in Evaluator(t, None, max_heldout=2).heldout_idx]
+    assert ids == [t.heldout[0].id, t.heldout[-1].id]
+
+
 def test_a_chained_learning_curve_continues_each_stage_where_the_last_ended(tmp_path):
     """`train plot --chain`: a warm-started stage's tokens and CPU-seconds start where the stage
     before it ended; without --chain each run starts at 0; a run without metrics is named."""

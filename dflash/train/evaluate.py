@@ -24,10 +24,19 @@ def block_scores(correct: torch.Tensor, labels: torch.Tensor, block_size: int) -
     return acc, valid.sum((0, 1)), tau
 
 
+def spread(n: int, k: int) -> list[int]:
+    """k of the indices 0..n-1 evenly spaced from the first to the last (all when n <= k): the
+    held-out sequences come in the order of the pool's folders, so a prefix would score the
+    first folder only."""
+    if n <= k:
+        return list(range(n))
+    return [round(i * (n - 1) / (k - 1)) for i in range(k)] if k > 1 else [0]
+
+
 class Evaluator:
     def __init__(self, trainer, tokenizer, max_heldout: int = 32):
         self.t, self.tok = trainer, tokenizer
-        self.heldout_idx = list(range(min(max_heldout, len(trainer.heldout))))
+        self.heldout_idx = spread(len(trainer.heldout), max_heldout)
         self.prompts = None
 
     @torch.no_grad()
