@@ -337,6 +337,69 @@ def test_package_stubs_are_a_third_pool_apart_from_the_libraries_and_the_standar
         build_prompts(DataConfig(num_prompts=4, mix={"packages": 1.0}))
 
 
+def test_package2_stubs_read_private_modules_cap_repeated_names_and_stay_apart(tmp_path, stub_pools, monkeypatch):
+    """The `package2` source: MORE_PACKAGES (transformers, scipy, ...) with their `_name` modules
+    read, at most MAX_PER_NAME stubs per name. Parsed here for a fake package and two small real
+    ones (all of MORE_PACKAGES takes two minutes)."""
+    from dflash.text import prompts as P
+    from dflash.train import code_prompts
+    from dflash.train.code_prompts import (LIBRARIES, MORE_PACKAGES, PACKAGES, docstring_prompts,
+                                           library_functions, more_package_functions)
+    from dflash.train.data import build_prompts, check_no_leaks
+
+    assert not set(MORE_PACKAGES) & (set(PACKAGES) | set(LIBRARIES))
+    pkg = tmp_path / "fakepkg_s25"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    doc = '        """Run the model {} on the inputs and return its outputs unchanged."""\n        return x\n'
+    (pkg / "_impl.py").write_text(
+        'def keep(a, b=2) -> int:\n    """Add two numbers, the second one two by default, and return it."""\n'
+        '    return a + b\n\n' + "".join(f"class M{i}:\n    def forward(self, x):\n{doc.format(i)}\n" for i in range(5)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert library_functions(("fakepkg_s25",)) == []  # the older pools skip private modules
+    got = more_package_functions(("fakepkg_s25",), max_per_name=3)
+    assert [i for i, _ in got] == ["lib/fakepkg_s25._impl.keep"] + [f"lib/fakepkg_s25._impl.M{i}.forward"
+                                                                     for i in range(3)]
+    real = more_package_functions(("httpx", "pluggy"))
+    assert len(real) > 50 and all("._" in i for i, _ in real)  # both keep their code in `_name` modules
+    names = [i.rsplit(".", 1)[-1] for i, _ in real]
+    assert max(names.count(n) for n in names) <= code_prompts.MAX_PER_NAME
+    older = {t for _, t in stub_pools["libraries"]} | {t for _, t in stub_pools["functions"]}
+    older |= {t for _, t in stub_pools["methods"]} | {t for _, t in library_functions(("click", "packaging", "rich"))}
+    assert not {t for _, t in real} & older  # nothing an earlier pool could have drawn
+    rows = docstring_prompts(50, seed=3, pool=real)
+    head = P.humaneval()[0].content
+    head = head[: head.index("```python")]
+    assert all(t.startswith(head + "```python\n") and t.endswith('"""\n```') for _, t in rows)
+    check_no_leaks([{"id": i, "dataset": "package2", "content": t} for i, t in rows])
+    monkeypatch.setattr(code_prompts, "more_package_functions", lambda: list(real))  # the data command's source
+    listed = build_prompts(DataConfig(num_prompts=20, mix={"package2": 0.5, "math": 0.5}, seed=3))
+    assert [r["content"] for r in listed if r["dataset"] == "package2"] == [t for _, t in rows[:10]]
+
+
+def test_writing_requests_are_distinct_seeded_prefix_stable_and_share_no_phrase_with_evaluation():
+    """The `writing` source: templated requests, none equal to an evaluation prompt and none
+    sharing a run of eight words with one (MT-Bench's writing questions included)."""
+    from dflash.text import prompts as P
+    from dflash.train.data import build_prompts, check_no_leaks
+    from dflash.train.writing_prompts import writing_prompts
+
+    rows = writing_prompts(6000, seed=4)
+    assert len({t for _, t in rows}) == 6000 and rows[:500] == writing_prompts(500, seed=4)
+    assert rows != writing_prompts(6000, seed=5)
+    assert sum(t.startswith(("Act as", "You are", "Play the part")) for _, t in rows) > 300  # role play too
+    check_no_leaks([{"id": i, "dataset": "writing", "content": t} for i, t in rows])
+
+    def grams(text):
+        words = P.normalize(text).split()
+        return {tuple(words[i:i + 8]) for i in range(len(words) - 7)}
+
+    evals = set().union(*(grams(t) for t in P.eval_texts()))
+    assert evals and not any(grams(t) & evals for _, t in writing_prompts(30_000))
+    listed = build_prompts(DataConfig(num_prompts=20, mix={"writing": 0.5, "math": 0.5}, seed=4))
+    assert [r["content"] for r in listed if r["dataset"] == "writing"] == [t for _, t in rows[:10]]
+
+
 def test_a_source_gets_its_own_response_limit(tmp_path):
     from dflash.testing import tiny_pipeline
     from dflash.train.data import _shards, run_data

@@ -2,7 +2,7 @@
 the code domain, and HumanEval-shaped stubs (a signature and a docstring to complete) from the
 Python standard library's own source, from the pure-Python libraries every install of
 torch brings along, and from the larger packages dflash's own install brings (matplotlib,
-pandas, rich, ...). Deterministic: the same seed (and the same installed versions) gives the
+pandas, rich, ...; then transformers, scipy, pytest, ...). Deterministic: the same seed (and the same installed versions) gives the
 same list."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ MAX_BODY_LINES = 12  # "a short body": the statements after the docstring, as as
 
 
 def docstring_functions(root: str | Path | None = None, methods: bool = False,
-                        prefix: str = "stdlib/") -> list[tuple[str, str]]:
+                        prefix: str = "stdlib/", private_modules: bool = False) -> list[tuple[str, str]]:
     """(id, signature + docstring) of every module-level function in the Python standard
     library (`root`: default sysconfig's stdlib) that has a docstring and a short body, in
     file order: the shape of a HumanEval task (a signature and a docstring to complete), from
@@ -118,12 +118,14 @@ def docstring_functions(root: str | Path | None = None, methods: bool = False,
     suites, private modules, idlelib, turtledemo and site-packages are skipped; the body is
     never shown. `methods`: the public methods of public module-level classes instead, each
     shown inside a bare `class Name:` line, the docstring indented as written. `prefix`
-    starts every id (a package's name and a dot when `root` is a package folder)."""
+    starts every id (a package's name and a dot when `root` is a package folder).
+    `private_modules`: read `_name` modules and folders too (where packages such as scipy and
+    httpx keep the public functions they re-export); private names stay out either way."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     out, seen = [], set()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        private = any(p.startswith("_") and p != "__init__.py" for p in rel.parts)
+        private = not private_modules and any(p.startswith("_") and p != "__init__.py" for p in rel.parts)
         if private or rel.parts[0] in SKIP_DIRS or any(p.startswith("test") for p in rel.parts):
             continue
         try:
@@ -147,10 +149,11 @@ PACKAGES = ("matplotlib", "pandas", "fontTools", "rich", "PIL", "numpy", "setupt
             "fsspec", "openpyxl", "click", "pygments", "packaging")
 
 
-def library_functions(libraries: tuple[str, ...] = LIBRARIES) -> list[tuple[str, str]]:
+def library_functions(libraries: tuple[str, ...] = LIBRARIES, private_modules: bool = False) -> list[tuple[str, str]]:
     """The stubs of `docstring_functions`, functions and class methods both, from the installed
     `libraries` instead of the standard library: ids `lib/<package>.<module>.<name>`, one stub
-    text once. A library that is not installed adds nothing."""
+    text once. A library that is not installed adds nothing. `private_modules`: as in
+    `docstring_functions`."""
     import importlib.util
 
     out, seen = [], set()
@@ -160,10 +163,34 @@ def library_functions(libraries: tuple[str, ...] = LIBRARIES) -> list[tuple[str,
             continue
         root = Path(next(iter(spec.submodule_search_locations)))
         for methods in (False, True):
-            for pid, stub in docstring_functions(root, methods, prefix=f"lib/{lib}."):
+            for pid, stub in docstring_functions(root, methods, f"lib/{lib}.", private_modules):
                 if stub not in seen:
                     seen.add(stub)
                     out.append((pid, stub))
+    return out
+
+
+# the fourth pool (the `package2` source, session 25, once PACKAGES was spent): more packages
+# `make test` installs, transformers (dflash's own dependency) first; read with their private
+# modules (scipy, httpx and pytest keep public functions in `_name` modules). ~4 K stubs after
+# MAX_PER_NAME: transformers alone repeats `forward` 701 times, one per model
+MORE_PACKAGES = ("transformers", "scipy", "_pytest", "pydantic", "werkzeug", "flask", "prompt_toolkit", "aiohttp",
+                 "httpx", "anyio", "pyparsing", "requests", "urllib3", "markdown_it", "tomlkit", "dateutil",
+                 "uvicorn", "fastapi", "mlx_lm", "yaml", "jsonschema", "pluggy", "httpcore", "typer", "starlette")
+MAX_PER_NAME = 3
+
+
+def more_package_functions(packages: tuple[str, ...] = MORE_PACKAGES,
+                           max_per_name: int = MAX_PER_NAME) -> list[tuple[str, str]]:
+    """The `package2` pool: `library_functions` of `packages`, private modules read too, at most
+    `max_per_name` stubs (the first in file order) for one function or method name."""
+    count: dict[str, int] = {}
+    out = []
+    for pid, stub in library_functions(packages, private_modules=True):
+        name = pid.rsplit(".", 1)[-1]
+        count[name] = count.get(name, 0) + 1
+        if count[name] <= max_per_name:
+            out.append((pid, stub))
     return out
 
 

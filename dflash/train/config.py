@@ -113,8 +113,10 @@ class DataConfig:
     # sources: math, code (templated requests), docstring (standard-library stubs to complete, the
     # HumanEval shape), method (the same from the standard library's class methods), library
     # (functions and methods of sympy, mpmath, networkx, jinja2: torch's own dependencies), package
-    # (the same from matplotlib, pandas, rich, numpy, ...: code_prompts.PACKAGES), sharegpt
-    # (first human turns), followup (ShareGPT's later human turns, the exchange before each as context)
+    # (the same from matplotlib, pandas, rich, numpy, ...: code_prompts.PACKAGES), package2 (the
+    # same from transformers, scipy, pytest, ...: code_prompts.MORE_PACKAGES), writing (templated
+    # requests for emails, posts, stories, role play: writing_prompts.py), sharegpt (first human
+    # turns), followup (ShareGPT's later human turns, the exchange before each as context)
     mix: dict = field(default_factory=lambda: {"math": 0.4, "code": 0.3, "sharegpt": 0.3})
     layer_ids: list[int] = field(default_factory=lambda: [1, 8, 14, 20, 27])
     max_prompt_tokens: int = 320

@@ -39,7 +39,8 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     """Interleave the sources by `cfg.mix` weights, dedupe on normalised text, refuse any
     prompt whose normalised text equals an evaluation prompt's."""
     from dflash.text import prompts as P
-    from dflash.train.code_prompts import LIBRARIES, PACKAGES, code_prompts, docstring_prompts
+    from dflash.train.code_prompts import (LIBRARIES, PACKAGES, code_prompts, docstring_prompts,
+                                           more_package_functions)
 
     excluded = excluded_prompts(cfg.exclude_lists)  # normalised text -> source
     extra = Counter(excluded.values())
@@ -58,6 +59,11 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
         pools["library"] = docstring_prompts(want["library"], seed=cfg.seed, libraries=LIBRARIES)
     if "package" in want:  # and from the larger packages dflash's install brings (matplotlib, ...)
         pools["package"] = docstring_prompts(want["package"], seed=cfg.seed, libraries=PACKAGES)
+    if "package2" in want:  # and from more of them once those were spent (transformers, scipy, ...)
+        pools["package2"] = docstring_prompts(want["package2"], seed=cfg.seed, pool=more_package_functions())
+    if "writing" in want:  # templated writing requests (emails, posts, stories, role play)
+        from dflash.train.writing_prompts import writing_prompts
+        pools["writing"] = writing_prompts(want["writing"], seed=cfg.seed)
     if "sharegpt" in want:
         rows = P.sharegpt(split="train")
         rng = np.random.default_rng(cfg.seed)
@@ -108,7 +114,8 @@ def excluded_prompts(folders: list[str]) -> dict[str, str]:
     return out
 
 
-SOURCES = ("math", "code", "docstring", "method", "library", "package", "sharegpt", "followup")
+SOURCES = ("math", "code", "docstring", "method", "library", "package", "package2", "writing", "sharegpt",
+           "followup")
 
 
 def _check_sources(names: set[str], what: str) -> None:
