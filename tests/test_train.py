@@ -550,6 +550,7 @@ def test_the_heldout_sample_spans_every_folder_of_the_pool():
 
     assert spread(1063, 32)[:3] == [0, 34, 69] and spread(1063, 32)[-1] == 1062
     assert len(set(spread(40, 32))) == 32 and spread(5, 32) == [0, 1, 2, 3, 4] and spread(9, 1) == [0]
+    assert spread(9, 0) == [] and spread(0, 4) == []
     target = tiny_target("llama")
     t = Trainer(fit_cfg(heldout_frac=0.5), target, make_seqs(target, n=12), MASK, LAYERS)
     assert len(t.heldout) >= 3

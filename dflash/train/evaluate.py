@@ -28,6 +28,8 @@ def spread(n: int, k: int) -> list[int]:
     """k of the indices 0..n-1 evenly spaced from the first to the last (all when n <= k): the
     held-out sequences come in the order of the pool's folders, so a prefix would score the
     first folder only."""
+    if k <= 0:
+        return []
     if n <= k:
         return list(range(n))
     return [round(i * (n - 1) / (k - 1)) for i in range(k)] if k > 1 else [0]
