@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the shipped draft dflash/drafts/smollm2-135m-instruct on a CPU machine, in the
-# eighteen stages it was trained in. Every step resumes: re-run after an interruption and it continues
+# nineteen stages it was trained in. Every step resumes: re-run after an interruption and it continues
 # where it stopped.
 #   stage 1 (session 2, run main2): the first 26 shards of 64 prompts, an 800-step cosine at lr
 #            1e-3 from the target's layers (the run itself planned 950 steps and was cut to 800 at
@@ -64,7 +64,12 @@
 #            all 40 shards of data/smollm2-n, a 700-step cosine at peak lr 2e-4 (shipped in session 23)
 #   stage 18 (session 24, run h18): warm-started from stage 17's last step on data/smollm2-l, -m, -n
 #            and all 40 shards of data/smollm2-o (n's mix on a thirteenth disjoint prompt list), a
-#            800-step cosine at peak lr 2e-4; its last step is the shipped draft
+#            800-step cosine at peak lr 2e-4 (shipped in session 24)
+#   stage 19 (session 25, run h19): warm-started from stage 18's last step on data/smollm2-n, -o,
+#            the first 5 shards of -p, the first 13 of -q (stubs from transformers, scipy, pytest,
+#            ...: the `package2` source) and the first 6 of -r (writing requests: the `writing`
+#            source); l and m left out, so the new shapes weigh more; a 600-step cosine at peak lr
+#            2e-4; its last step is the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -102,6 +107,10 @@ RUN16=${RUN16:-runs/fit/h16}
 RUN17=${RUN17:-runs/fit/h17}
 DATA16=${DATA16:-runs/data/smollm2-o}
 RUN18=${RUN18:-runs/fit/h18}
+DATA17=${DATA17:-runs/data/smollm2-p}
+DATA18=${DATA18:-runs/data/smollm2-q}
+DATA19=${DATA19:-runs/data/smollm2-r}
+RUN19=${RUN19:-runs/fit/h19}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -160,9 +169,15 @@ rebuild smollm2-n "$DATA15"
 warm "$RUN17" "$DATA13" "$RUN16/final" "[\"$DATA14\", \"$DATA15\"]" 700 2e-4
 rebuild smollm2-o "$DATA16"
 warm "$RUN18" "$DATA13" "$RUN17/final" "[\"$DATA14\", \"$DATA15\", \"$DATA16\"]" 800 2e-4
+for kept in "smollm2-p $DATA17 5" "smollm2-q $DATA18 13" "smollm2-r $DATA19 6"; do
+    read -r list folder shards <<< "$kept"
+    $PY -m dflash.cli train data --config "data/$list/data_config.json" --out "$folder" --responses "data/$list" \
+        --max-shards "$shards" --threads "$THREADS"
+done
+warm "$RUN19" "$DATA15" "$RUN18/final" "[\"$DATA16\", \"$DATA17\", \"$DATA18\", \"$DATA19\"]" 600 2e-4
 $PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" "$RUN11" \
-    "$RUN12" "$RUN13" "$RUN14" "$RUN15" "$RUN16" "$RUN17" "$RUN18" --chain \
-    --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 h15 h16 h17 h18 \
+    "$RUN12" "$RUN13" "$RUN14" "$RUN15" "$RUN16" "$RUN17" "$RUN18" "$RUN19" --chain \
+    --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 h15 h16 h17 h18 h19 \
     --out docs/training_lineage.png
-$PY -m dflash.cli train ship "$RUN18" --which final --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h17/final (stage 17)"}'
+$PY -m dflash.cli train ship "$RUN19" --which final --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h18/final (stage 18)"}'
