@@ -41,6 +41,7 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     from dflash.text import prompts as P
     from dflash.train.code_prompts import (LIBRARIES, PACKAGES, code_prompts, docstring_prompts,
                                            more_package_functions)
+    from dflash.train.writing_prompts import writing_prompts
 
     excluded = excluded_prompts(cfg.exclude_lists)  # normalised text -> source
     extra = Counter(excluded.values())
@@ -62,7 +63,6 @@ def build_prompts(cfg: DataConfig) -> list[dict]:
     if "package2" in want:  # and from more of them once those were spent (transformers, scipy, ...)
         pools["package2"] = docstring_prompts(want["package2"], seed=cfg.seed, pool=more_package_functions())
     if "writing" in want:  # templated writing requests (emails, posts, stories, role play)
-        from dflash.train.writing_prompts import writing_prompts
         pools["writing"] = writing_prompts(want["writing"], seed=cfg.seed)
     if "sharegpt" in want:
         rows = P.sharegpt(split="train")
