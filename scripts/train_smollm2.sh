@@ -134,8 +134,10 @@ $PY -m dflash.cli train fit --data "$DATA3" --out "$RUN3" --init-from "$RUN2/bes
     $COMMON
 $PY -m dflash.cli train data --out "$DATA4" --num-prompts 9000 --first-shard 94 --max-shards 141 \
     --responses data/smollm2-c --threads "$THREADS"
-rebuild() {  # $1 a kept list under data/, $2 its features folder: the features by prefill (missing shards generated)
-    $PY -m dflash.cli train data --config "data/$1/data_config.json" --out "$2" --responses "data/$1" --threads "$THREADS"
+rebuild() {  # $1 a kept list under data/, $2 its features folder[, $3 its first N shards only]: the features by
+             # prefill (missing shards generated)
+    $PY -m dflash.cli train data --config "data/$1/data_config.json" --out "$2" --responses "data/$1" \
+        ${3:+--max-shards "$3"} --threads "$THREADS"
 }
 warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON[, $5 steps (500)[, $6 lr (5e-4)
            #   [, $7 the first N shards of $2 only]]]]]: stages 4-20, gamma 4
@@ -165,28 +167,21 @@ warm "$RUN12" "$DATA5" "$RUN11/best" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$D
 warm "$RUN13" "$DATA5" "$RUN12/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$DATA11\", \"$DATA12\"]" 2000 3e-4
 warm "$RUN14" "$DATA5" "$RUN13/final" "[\"$DATA8\", \"$DATA9\", \"$DATA10\", \"$DATA11\", \"$DATA12\"]" 1000 2e-4
 rebuild smollm2-l "$DATA13"
-$PY -m dflash.cli train data --config data/smollm2-m/data_config.json --out "$DATA14" --responses data/smollm2-m \
-    --max-shards 28 --threads "$THREADS"
+rebuild smollm2-m "$DATA14" 28
 warm "$RUN15" "$DATA13" "$RUN14/final" "[\"$DATA14\"]" 600 2e-4
 rebuild smollm2-m "$DATA14"
-$PY -m dflash.cli train data --config data/smollm2-n/data_config.json --out "$DATA15" --responses data/smollm2-n \
-    --max-shards 22 --threads "$THREADS"
+rebuild smollm2-n "$DATA15" 22
 warm "$RUN16" "$DATA13" "$RUN15/final" "[\"$DATA14\", \"$DATA15\"]" 700 2e-4
 rebuild smollm2-n "$DATA15"
 warm "$RUN17" "$DATA13" "$RUN16/final" "[\"$DATA14\", \"$DATA15\"]" 700 2e-4
 rebuild smollm2-o "$DATA16"
 warm "$RUN18" "$DATA13" "$RUN17/final" "[\"$DATA14\", \"$DATA15\", \"$DATA16\"]" 800 2e-4
-for kept in "smollm2-p $DATA17 5" "smollm2-q $DATA18 13" "smollm2-r $DATA19 6"; do
-    read -r list folder shards <<< "$kept"
-    $PY -m dflash.cli train data --config "data/$list/data_config.json" --out "$folder" --responses "data/$list" \
-        --max-shards "$shards" --threads "$THREADS"
-done
+rebuild smollm2-p "$DATA17" 5
+rebuild smollm2-q "$DATA18" 13
+rebuild smollm2-r "$DATA19" 6
 warm "$RUN19" "$DATA15" "$RUN18/final" "[\"$DATA16\", \"$DATA17\", \"$DATA18\", \"$DATA19\"]" 600 2e-4
-for kept in "smollm2-q $DATA18 22" "smollm2-r $DATA19 18"; do
-    read -r list folder shards <<< "$kept"
-    $PY -m dflash.cli train data --config "data/$list/data_config.json" --out "$folder" --responses "data/$list" \
-        --max-shards "$shards" --threads "$THREADS"
-done
+rebuild smollm2-q "$DATA18" 22
+rebuild smollm2-r "$DATA19" 18
 warm "$RUN20" "$DATA13" "$RUN19/final" "[\"$DATA17\", \"$DATA18\", \"$DATA19\"]" 600 2e-4 10
 $PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" "$RUN11" \
     "$RUN12" "$RUN13" "$RUN14" "$RUN15" "$RUN16" "$RUN17" "$RUN18" "$RUN19" "$RUN20" --chain \
