@@ -641,6 +641,41 @@ def test_several_data_folders_train_as_one_pool_with_distinct_ids(tmp_path):
         FitConfig(data=first, more_data=[second, first + "/"]).check()
 
 
+def test_skip_shards_leaves_out_what_an_earlier_stage_trained_on_and_a_resume_keeps_its_choice(tmp_path):
+    """`--skip-shards {folder: N}` drops a folder's first N finished shards (for `data` before
+    `--data-shards` takes the first of the rest); a resumed run trains on the shards it recorded,
+    even after more shards finished; a skip that leaves nothing, or names a folder not trained
+    on, is refused by name."""
+    import json
+
+    from dflash.train.config import FitConfig
+    from dflash.train.data import write_shard
+    from dflash.train.fit import training_shards
+
+    def folder(name, n):
+        f = tmp_path / name
+        f.mkdir()
+        (f / "data_config.json").write_text(json.dumps({"layer_ids": [0, 2]}))
+        for i in range(n):
+            write_shard(f, i, [{"id": f"{name}{i}", "dataset": "math", "prompt_ids": [1], "response_ids": [3, 4]}],
+                        [torch.ones(2, 6)])
+        return str(f)
+
+    d, m = folder("d", 6), folder("m", 4)
+    cfg = FitConfig(data=d, more_data=[m], skip_shards={d: 2, m + "/": 3}, data_shards=3)
+    cfg.check()
+    assert training_shards(cfg, {}) == {d: [2, 3, 4], m: [3]}
+    assert training_shards(FitConfig(data=d, more_data=[m]), {}) == {d: list(range(6)), m: [0, 1, 2, 3]}
+    write_shard(Path(m), 4, [{"id": "m4", "dataset": "math", "prompt_ids": [1], "response_ids": [3]}], [torch.ones(1, 6)])
+    assert training_shards(cfg, {"data_shards": [2, 3, 4], "more_data_shards": {m: [3]}}) == {d: [2, 3, 4], m: [3]}
+    with pytest.raises(DataError, match="leaves none of its 5 finished shards"):
+        training_shards(replace(cfg, skip_shards={m: 5}), {})
+    with pytest.raises(ValueError, match="skip_shards names 'elsewhere'"):
+        FitConfig(data=d, skip_shards={"elsewhere": 1}).check()
+    with pytest.raises(ValueError, match=r"skip_shards\['d'\] must be an integer >= 0"):
+        FitConfig(data="d", skip_shards={"d": -1}).check()
+
+
 def test_a_warm_start_can_deepen_a_draft_and_proposes_what_the_start_does(tmp_path):
     """--init-from a 1-layer draft with --num-layers 3: the two new layers start as the identity,
     so the deeper draft's hidden states equal the start's; training then moves them. A start

@@ -60,7 +60,10 @@ class FitConfig:
     # every id its start could propose)
     draft_vocab: int | None = None
     loss_negatives: int = 8192
-    data_shards: int | None = None  # train on the first N finished shards only (None: all)
+    data_shards: int | None = None  # train on the first N finished shards only (None: all), after skip_shards
+    # per data folder (`data` or one of `more_data`): leave out its first N finished shards, those an
+    # earlier stage trained on, so a warm start spends its steps on responses it never saw
+    skip_shards: dict[str, int] = field(default_factory=dict)
     init_from: str | None = None  # a draft checkpoint folder to start from (a warm start on more data)
     seed: int = 0
     threads: int = 1
@@ -99,6 +102,12 @@ class FitConfig:
                      if getattr(self, name) < low]
         folders = [os.path.normpath(f) for f in (self.data, *self.more_data)]
         problems += [f"data folder {f!r} is listed twice" for f in sorted(set(folders)) if folders.count(f) > 1]
+        problems += [f"skip_shards names {f!r}, which is not --data or one of --more-data" for f in self.skip_shards
+                     if os.path.normpath(f) not in folders]
+        problems += [f"skip_shards[{f!r}] must be an integer >= 0, got {n!r}" for f, n in self.skip_shards.items()
+                     if not isinstance(n, int) or isinstance(n, bool) or n < 0]
+        if self.data_shards is not None and self.data_shards < 1:
+            problems.append(f"data_shards must be >= 1, got {self.data_shards}")
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps must be >= 1, got {self.max_steps}")
         if problems:

@@ -238,10 +238,32 @@ def _setup_distributed(cfg: FitConfig) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def training_shards(cfg: FitConfig, recorded: dict) -> dict[str, list[int]]:
+    """The shards each data folder trains on: as a resumed run recorded them, else its finished
+    ones less the first `skip_shards[folder]` (and of `data` only the first `data_shards` left)."""
+    from dflash.train.data import DataError, finished_shards
+
+    skip = {os.path.normpath(f): n for f, n in cfg.skip_shards.items()}
+    saved = {cfg.data: recorded.get("data_shards"), **recorded.get("more_data_shards", {})}
+    shards = {}
+    for f in [cfg.data, *cfg.more_data]:
+        if saved.get(f) is not None:
+            shards[f] = saved[f]
+            continue
+        done = finished_shards(Path(f))
+        left = done[skip.get(os.path.normpath(f), 0):]
+        if f == cfg.data and cfg.data_shards:
+            left = left[: cfg.data_shards]
+        if done and not left:
+            raise DataError(f"{f}: skip_shards leaves none of its {len(done)} finished shards to train on")
+        shards[f] = left
+    return shards
+
+
 def run_fit(cfg: FitConfig, log=None) -> dict:
     from dflash.text.assets import load_target
     from dflash.text.pipeline import _mask_token
-    from dflash.train.data import finished_shards, load_pool
+    from dflash.train.data import load_pool
     from dflash.train.evaluate import Evaluator
 
     cfg.check()
@@ -254,13 +276,8 @@ def run_fit(cfg: FitConfig, log=None) -> dict:
     if ckpt is None and cfg.resume:
         say(f"fit: no checkpoint in {out}; starting fresh")
     folders = [cfg.data, *cfg.more_data]
-    # the shards each folder trains on: as a resumed run recorded them, else all finished ones
-    # (the first `data_shards` of `data`)
     recorded = torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=False) if ckpt is not None else {}
-    shards = {cfg.data: recorded.get("data_shards"), **recorded.get("more_data_shards", {})}
-    if shards[cfg.data] is None and cfg.data_shards:
-        shards[cfg.data] = finished_shards(Path(cfg.data))[: cfg.data_shards]
-    shards = {f: shards.get(f) if shards.get(f) is not None else finished_shards(Path(f)) for f in folders}
+    shards = training_shards(cfg, recorded)
     seqs, layer_ids = load_pool(folders, shards)
     hf, tok = load_target(cfg.target)
     trainer = Trainer(cfg, hf, seqs, _mask_token(tok, TargetModel(hf, kernels="torch")), layer_ids, tok, say)
