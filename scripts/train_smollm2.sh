@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the shipped draft dflash/drafts/smollm2-135m-instruct on a CPU machine, in the
-# twenty stages it was trained in. Every step resumes: re-run after an interruption and it continues
+# twenty-one stages it was trained in. Every step resumes: re-run after an interruption and it continues
 # where it stopped.
 #   stage 1 (session 2, run main2): the first 26 shards of 64 prompts, an 800-step cosine at lr
 #            1e-3 from the target's layers (the run itself planned 950 steps and was cut to 800 at
@@ -73,7 +73,11 @@
 #   stage 20 (session 26, run h20): warm-started from stage 19's last step on the first 10 shards of
 #            data/smollm2-l (its math), the 5 of -p, the first 22 of -q and the first 18 of -r; n, o
 #            and m left out (seen two to four times), so most steps go to responses the draft never
-#            saw; a 600-step cosine at peak lr 2e-4; its last step is the shipped draft
+#            saw; a 600-step cosine at peak lr 2e-4 (shipped in session 26)
+#   stage 21 (session 27, run h21): warm-started from stage 20's last step on fresh shards only
+#            (--skip-shards leaves out what stage 20 trained on): shards 10-25 of data/smollm2-l
+#            (math and library stubs, last seen in stage 18), 22-31 of -q and 18-31 of -r; a 600-step
+#            cosine at peak lr 2e-4; its last step is the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -116,6 +120,7 @@ DATA18=${DATA18:-runs/data/smollm2-q}
 DATA19=${DATA19:-runs/data/smollm2-r}
 RUN19=${RUN19:-runs/fit/h19}
 RUN20=${RUN20:-runs/fit/h20}
+RUN21=${RUN21:-runs/fit/h21}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -140,8 +145,10 @@ rebuild() {  # $1 a kept list under data/, $2 its features folder[, $3 its first
         ${3:+--max-shards "$3"} --threads "$THREADS"
 }
 warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON[, $5 steps (500)[, $6 lr (5e-4)
-           #   [, $7 the first N shards of $2 only]]]]]: stages 4-20, gamma 4
+           #   [, $7 the first N shards of $2 only[, $8 per folder the first shards to leave out, JSON]]]]]]:
+           #   stages 4-21, gamma 4
     $PY -m dflash.cli train fit --data "$2" ${7:+--data-shards "$7"} --more-data "${4:-[]}" --out "$1" --resume \
+        ${8:+--skip-shards "$8"} \
         --init-from "$3" \
         --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8 --anchors-per-seq 32 --lr "${6:-5e-4}" \
         --warmup-frac 0.04 --max-steps "${5:-500}" --heldout-frac 0.1 --eval-every 25 --eval-tau-prompts 0 --ckpt-every 25 \
@@ -183,9 +190,13 @@ warm "$RUN19" "$DATA15" "$RUN18/final" "[\"$DATA16\", \"$DATA17\", \"$DATA18\", 
 rebuild smollm2-q "$DATA18" 22
 rebuild smollm2-r "$DATA19" 18
 warm "$RUN20" "$DATA13" "$RUN19/final" "[\"$DATA17\", \"$DATA18\", \"$DATA19\"]" 600 2e-4 10
+rebuild smollm2-q "$DATA18" 32
+rebuild smollm2-r "$DATA19" 32
+warm "$RUN21" "$DATA13" "$RUN20/final" "[\"$DATA18\", \"$DATA19\"]" 600 2e-4 16 \
+    "{\"$DATA13\": 10, \"$DATA18\": 22, \"$DATA19\": 18}"
 $PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" "$RUN11" \
-    "$RUN12" "$RUN13" "$RUN14" "$RUN15" "$RUN16" "$RUN17" "$RUN18" "$RUN19" "$RUN20" --chain \
-    --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 h15 h16 h17 h18 h19 h20 \
+    "$RUN12" "$RUN13" "$RUN14" "$RUN15" "$RUN16" "$RUN17" "$RUN18" "$RUN19" "$RUN20" "$RUN21" \
+    --chain --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 h15 h16 h17 h18 h19 h20 h21 \
     --out docs/training_lineage.png
-$PY -m dflash.cli train ship "$RUN20" --which final --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h19/final (stage 19)"}'
+$PY -m dflash.cli train ship "$RUN21" --which final --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h20/final (stage 20)"}'
