@@ -667,6 +667,7 @@ def test_skip_shards_leaves_out_what_an_earlier_stage_trained_on_and_a_resume_ke
     assert training_shards(cfg, {}) == {d: [2, 3, 4], m: [3]}
     assert training_shards(FitConfig(data=d, more_data=[m]), {}) == {d: list(range(6)), m: [0, 1, 2, 3]}
     write_shard(Path(m), 4, [{"id": "m4", "dataset": "math", "prompt_ids": [1], "response_ids": [3]}], [torch.ones(1, 6)])
+    assert training_shards(cfg, {})[m] == [3, 4]  # a fresh run takes the new shard
     assert training_shards(cfg, {"data_shards": [2, 3, 4], "more_data_shards": {m: [3]}}) == {d: [2, 3, 4], m: [3]}
     with pytest.raises(DataError, match="leaves none of its 5 finished shards"):
         training_shards(replace(cfg, skip_shards={m: 5}), {})
