@@ -1,14 +1,18 @@
-"""A/B of what the hybrid default carries from one request to the next (engine TreeState).
+"""A/B of what the hybrid default learns while it runs (engine TreeState) against an older rule.
 
-Since session 23 a new request fades the draft's gains by `gain_carry` (0.5) and runs the
-draft on its first step in each offer bucket (`probe_first`); before, the gains carried over
-whole, so a math question after a chat could decode plainly for a dozen steps because the
-chat's draft had not paid. This runs, interleaved prompt by prompt on one loaded pipeline and
-one cost model: the target alone (HF generate), the draft's chain, the hybrid default
-(`hybrid-b16`) and the hybrid with the old carry-over (`hybrid-b16-oldcarry`), then writes
-the bench's tables (the prompt sets rotate, so every request follows one of another set).
+`--arm oldcarry`: since session 23 a new request fades the draft's gains by `gain_carry` (0.5)
+and runs the draft on its first step in each offer bucket (`probe_first`); before, the gains
+carried over whole, so a math question after a chat could decode plainly for a dozen steps
+because the chat's draft had not paid. `--arm unscaled`: since session 28 every verify pass is
+timed and the cost model's verify figures scaled by the running ratio of timed to modelled
+(`verify_scale`), as the draft pass was already charged at its timed cost; before, the timed
+draft pass was weighed against the cached model's verify figures. This runs, interleaved
+prompt by prompt on one loaded pipeline and one cost model: the target alone (HF generate),
+the draft's chain, the hybrid default (`hybrid-b16`) and the hybrid under the older rule
+(`hybrid-b16-ARM`), then writes the bench's tables (the prompt sets rotate, so every request
+follows one of another set) and what each hybrid's TreeState learned.
 
-    .venv/bin/python benchmarks/tree_state_ab.py --limit 5 --max-new-tokens 256 \\
+    .venv/bin/python benchmarks/tree_state_ab.py --arm oldcarry --limit 5 --max-new-tokens 256 \\
         --output benchmarks/cpu/session23/results.json --markdown benchmarks/cpu/session23/results.md
 """
 
@@ -22,6 +26,9 @@ from pathlib import Path
 import torch
 
 
+ARMS = {"oldcarry": {"gain_carry": 1.0, "probe_first": False}, "unscaled": {"scale_verify": False}}
+
+
 def main(argv=None) -> int:
     from dflash.bench.machine import machine_info
     from dflash.bench.methods import BASELINE, Settings, hf_method, loop_method
@@ -32,6 +39,7 @@ def main(argv=None) -> int:
     from dflash.text.pipeline import Pipeline
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arm", choices=sorted(ARMS), default="unscaled", help="the older rule to run beside the default")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "math", "mtbench", "sharegpt"])
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -44,19 +52,25 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     pipe = Pipeline.load(draft=args.draft)
     cost = pipe.cost_model()
-    old = pipe.with_tree_state("hybrid", TreeState(gain_carry=1.0, probe_first=False))
+    old_state = TreeState(**ARMS[args.arm])
+    old = pipe.with_tree_state("hybrid", old_state)
     settings = Settings((args.block_size,), prompt_lookup=0, loop_baseline=False, cost_source=lambda _: cost)
     hybrid = loop_method(args.block_size, settings, proposer_kind="hybrid")
     b = args.block_size
     methods = [(BASELINE, hf_method(BASELINE, settings)), (f"dflash-b{b}", loop_method(b, settings)),
                (f"hybrid-b{b}", hybrid),
-               (f"hybrid-b{b}-oldcarry", lambda _pipe, ids, n: hybrid(old, ids, n))]
+               (f"hybrid-b{b}-{args.arm}", lambda _pipe, ids, n: hybrid(old, ids, n))]
     prompts = load_prompts(args.datasets, None, args.limit)
 
     def progress(prompt, rec):
         print(f"{prompt.id} {rec.method}: {rec.num_output_tokens} tokens, {rec.tokens_per_s:.1f} tok/s", flush=True)
     records = run_bench(pipe, prompts, methods, args.max_new_tokens, progress)
-    assert pipe.tree_state("hybrid", SamplingParams()) is not old.tree_state("hybrid", SamplingParams())
+    new_state = pipe.tree_state("hybrid", SamplingParams())
+    assert new_state is not old_state
+    learned = {name: {"draft_ms": st.draft_ms, "verify_scale": st.verify_scale, "verify_timed": st.verify_timed}
+               for name, st in ((f"hybrid-b{b}", new_state), (f"hybrid-b{b}-{args.arm}", old_state))}
+    print(f"cost model: draft step {cost.draft_ms(b):.1f} ms, verify 1 / {b} tokens "
+          f"{cost.verify_ms(1):.1f} / {cost.verify_ms(b):.1f} ms; learned: {learned}")
     mismatches = check_equal(records)
     sums = summaries(records, method_block_sizes(records))
     table = markdown_table(sums)
@@ -65,7 +79,8 @@ def main(argv=None) -> int:
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({
-            "draft": pipe.draft_path, "cost_model": cost.to_dict(), "mismatches": len(mismatches),
+            "draft": pipe.draft_path, "arm": args.arm, "cost_model": cost.to_dict(), "learned": learned,
+            "mismatches": len(mismatches),
             "summaries": [dataclasses.asdict(s) for s in sums],
             "records": [{"method": r.method, "dataset": r.dataset, "prompt_id": r.prompt_id, "steps": r.steps,
                          "total_time": r.total_time, "num_output_tokens": r.num_output_tokens} for r in records]},

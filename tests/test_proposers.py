@@ -276,3 +276,43 @@ def test_the_draft_pass_is_charged_at_its_measured_time():
     assert proposer.draft_cost == 20.0
     proposer.state.observe_draft_ms(5.0, proposer.draft_cost)
     assert proposer.draft_cost == pytest.approx(0.8 * 20.0 + 0.2 * 5.0)
+
+
+def test_verify_passes_are_charged_at_the_speed_the_machine_runs_them_now():
+    """Each verify pass is timed beside the cost model's figure; the running ratio scales every
+    verify figure the gate and the node budget use, so a cost model measured on a faster (or
+    slower) hour weighs the measured draft pass in the same units. Ratios count within 1/4..4;
+    `scale_verify=False` keeps the model's figures."""
+    state = TreeState()
+    for _ in range(10):
+        state.observe_verify_ms(20.0, 10.0)  # the machine runs verify passes at twice the model's figure
+    assert state.verify_scale == pytest.approx(2.0 - 0.8 ** 10) and state.verify_timed == 10
+    capped = TreeState()
+    capped.observe_verify_ms(1e6, 10.0)  # a pause counts as 4x
+    assert capped.verify_scale == pytest.approx(0.8 + 0.2 * 4.0)
+    fixed = TreeState(scale_verify=False)
+    fixed.observe_verify_ms(20.0, 10.0)
+    assert fixed.verify_scale == 1.0 and fixed.verify_timed == 0
+
+    proposer = TreeProposer(None, verify_cost=lambda n: 10.0 * n, draft_cost=5.0, state=TreeState(verify_scale=2.0))
+    seen = []
+    proposer.gain.observe = lambda *a: seen.append(a)  # our own object: recording what it is told
+    t = torch.tensor
+    tree = TokenTree(t([7, 8, 9, 4]), t([-1, 0, 1, -1]), t([1, 2, 3, 1]), t([0.9, 0.5, 0.3, 0.2]),
+                     ("draft+suffix", "draft", "suffix", "suffix"))
+    proposer._observe_gain(tree, [0, 1])
+    assert seen == [(3, 5.0 + 100.0, 2, 80.0)]  # the verify figures doubled, the measured draft pass not
+
+
+def test_the_loop_times_every_verify_pass_of_a_tree_proposer():
+    """Through the loop each step's verify pass (drafted or plain) is timed once; a cost model
+    a million times too fast is corrected as far as the cap allows; output stays exact."""
+    model = tiny_target("llama")
+    target, draft = TargetModel(model), tiny_draft(model, block_size=8)
+    ids = torch.tensor([[3, 1, 4, 15, 9, 2, 6, 11]])
+    state = TreeState()
+    proposer = tree_proposer(target, draft, verify_cost=lambda n: 1e-6, draft_cost=1e-6, state=state)
+    steps = list(gen.stream_generate(draft, target, ids, 30, None, block_size=8, proposer=proposer))
+    assert [t for s in steps for t in s.tokens] == hf_greedy(model, ids, 30)[0, 8:].tolist()
+    assert state.verify_timed == len(steps) - 1  # every step after the prefill
+    assert state.verify_scale == pytest.approx(4.0 - 3.0 * 0.8 ** state.verify_timed)

@@ -224,8 +224,11 @@ class TreeProposer(Proposer):
     has nothing (it is then the only source) may not pay beside a long, trusted match, so each
     step asks the gain of its own offer. The draft pass is charged at its measured time
     (the pass, its softmax and its nodes' insertion, timed each drafted step; `draft_cost`,
-    the cost model's figure, until then). What it learns lives in a `TreeState`: pass one a
-    pipeline keeps, and a request starts from what earlier ones learned."""
+    the cost model's figure, until then), and the verify passes in the same units: each pass
+    is timed too and the cost model's figures scaled by the running ratio of the timed to the
+    modelled (`TreeState.verify_scale`), so a machine slower or faster now than when its cost
+    model was measured does not tilt the comparison. What it learns lives in a `TreeState`:
+    pass one a pipeline keeps, and a request starts from what earlier ones learned."""
 
     def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
                  max_nodes: int = 24, verify_cost: Callable[[int], float] | None = None, draft_cost: float = 0.0,
@@ -244,6 +247,7 @@ class TreeProposer(Proposer):
         self._offer = 0  # this step's offer bucket
         self.drafted = False
         self._context: torch.Tensor | None = None  # (1, C, kH) context handed over while the draft was skipped
+        self._verify_from: tuple[float, int] | None = None  # (clock, tokens) of the verify pass under way
 
     def start(self, prompt: Sequence[int]) -> None:
         self.index = SuffixIndex(prompt)
@@ -284,6 +288,7 @@ class TreeProposer(Proposer):
             self.state.observe_draft_ms((time.perf_counter() - start) * 1e3, self.draft_cost)
         tree = builder.build(self._budget(builder.build(self.max_nodes, last.device)), last.device)
         self._last = (tree, weights)
+        self._verify_from = (time.perf_counter(), len(tree) + 1)  # the verify pass runs until `commit`
         return tree
 
     def _text_candidates(self, depth: int) -> list[tuple[str, list[Candidate]]]:
@@ -319,13 +324,18 @@ class TreeProposer(Proposer):
             return True
         return False
 
+    def _verify_ms(self, n: int) -> float:
+        """A verify pass over n tokens as this machine runs it now: the cost model's figure times
+        the measured scale (`TreeState.verify_scale`)."""
+        return self.verify_cost(n) * self.state.verify_scale
+
     def _budget(self, tree: TokenTree) -> int:
         """The number of best-first nodes n maximising (1 + their summed scores) / step time."""
         if self.verify_cost is None or len(tree) == 0:
             return len(tree)
         gain = torch.cat([tree.scores.new_zeros(1), tree.scores.cumsum(0)]).tolist()  # (N+1,) expected accepted
         spent = self.draft_cost if self.drafted else 0.0  # a skipped draft pass costs this step nothing
-        rate = [(1 + g) / (spent + self.verify_cost(n + 1)) for n, g in enumerate(gain)]
+        rate = [(1 + g) / (spent + self._verify_ms(n + 1)) for n, g in enumerate(gain)]
         return max(range(len(rate)), key=rate.__getitem__)
 
     def commit(self, tokens, path) -> None:
@@ -333,6 +343,10 @@ class TreeProposer(Proposer):
             self.draft.commit(tokens, None)
         if self.index is not None:
             self.index.extend(tokens)
+        if self._verify_from is not None and path is not None and self.verify_cost is not None:
+            start, n = self._verify_from
+            self.state.observe_verify_ms((time.perf_counter() - start) * 1e3, self.verify_cost(n))
+        self._verify_from = None
         if self._last is not None and path is not None:
             tree, weights = self._last
             self.calibration.observe(tree, path, weights)
@@ -345,8 +359,8 @@ class TreeProposer(Proposer):
         only the draft proposed (the other sources' nodes are closed under parents)."""
         own = [s == "draft" for s in tree.sources]  # (N,) proposed by the draft alone
         kept = next((j for j, i in enumerate(path) if own[i]), len(path))  # path length without the draft
-        self.gain.observe(1 + len(path), self.draft_cost + self.verify_cost(len(tree) + 1),
-                          1 + kept, self.verify_cost(len(tree) - sum(own) + 1))
+        self.gain.observe(1 + len(path), self.draft_cost + self._verify_ms(len(tree) + 1),
+                          1 + kept, self._verify_ms(len(tree) - sum(own) + 1))
 
 
 OFFER_EDGES = (0.25, 1.0)  # expected accepted tokens of the text sources' best candidate
@@ -392,12 +406,18 @@ class TreeState:
     the calibration's evidence by `carry` and the gains' by `gain_carry`, so they weigh less
     than what this request shows, and (`probe_first`) runs the draft on its first step of each
     offer bucket: a math question after a chat must not decode plainly for a dozen steps
-    because the chat's draft did not pay."""
+    because the chat's draft did not pay. It also keeps how much slower (or faster) the verify
+    passes run than the cost model says (`verify_scale`), so the measured draft pass is weighed
+    against verify passes in the same units; `scale_verify=False` keeps the cost model's
+    figures (the gate before session 28, for A/B runs)."""
     calibration: Calibration = field(default_factory=Calibration)
     gains: dict[int, DraftGain] = field(default_factory=lambda: {o: DraftGain() for o in OFFERS})
     skipped: dict[int, int] = field(default_factory=lambda: dict.fromkeys(OFFERS, 0))
     unprobed: set[int] = field(default_factory=set)  # the offer buckets this request has not drafted in yet
     draft_ms: float | None = None  # running mean of the timed draft passes; None: none timed yet
+    verify_scale: float = 1.0  # running mean of timed verify passes over the cost model's figures (from 1)
+    verify_timed: int = 0  # verify passes timed so far
+    scale_verify: bool = True
     carry: float = 0.5
     gain_carry: float = 0.5  # 1: the gains carry over whole
     probe_first: bool = True
@@ -414,6 +434,15 @@ class TreeState:
         a pause of the machine) counts as 4x."""
         ms = min(ms, 4 * current) if current > 0 else ms
         self.draft_ms = ms if self.draft_ms is None else self.decay * self.draft_ms + (1 - self.decay) * ms
+
+    def observe_verify_ms(self, ms: float, modelled: float) -> None:
+        """One timed verify pass (from the proposal's end to its commit) beside the cost model's
+        figure for it; the ratio counts between 1/4 and 4 (a warm-up or a pause counts as 4)."""
+        if not self.scale_verify or modelled <= 0:
+            return
+        ratio = min(max(ms / modelled, 0.25), 4.0)
+        self.verify_scale = self.decay * self.verify_scale + (1 - self.decay) * ratio  # from 1: the model's figures
+        self.verify_timed += 1
 
 
 PROPOSERS = ("draft", "tree", "suffix", "hybrid")
