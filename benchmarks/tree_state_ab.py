@@ -3,14 +3,16 @@
 `--arm oldcarry`: since session 23 a new request fades the draft's gains by `gain_carry` (0.5)
 and runs the draft on its first step in each offer bucket (`probe_first`); before, the gains
 carried over whole, so a math question after a chat could decode plainly for a dozen steps
-because the chat's draft had not paid. `--arm unscaled`: since session 28 every verify pass is
-timed and the cost model's verify figures scaled by the running ratio of timed to modelled
-(`verify_scale`), as the draft pass was already charged at its timed cost; before, the timed
-draft pass was weighed against the cached model's verify figures. This runs, interleaved
-prompt by prompt on one loaded pipeline and one cost model: the target alone (HF generate),
-the draft's chain, the hybrid default (`hybrid-b16`) and the hybrid under the older rule
-(`hybrid-b16-ARM`), then writes the bench's tables (the prompt sets rotate, so every request
-follows one of another set) and what each hybrid's TreeState learned.
+because the chat's draft had not paid. `--arm scaled`: every verify pass is timed (since
+session 28) and the running ratio of timed to modelled kept (`verify_scale`); this arm charges
+verify passes at that scale, as the draft pass is charged at its timed cost, where the default
+weighs the timed draft pass against the cost model's verify figures (session 28's A/B ran
+the scaled rule as the default and this one as an arm `unscaled`: scaled, the hybrid drafted
+more and ran no faster, so the default stayed unscaled). This runs,
+interleaved prompt by prompt on one loaded pipeline and one cost model: the target alone (HF
+generate), the draft's chain, the hybrid default (`hybrid-b16`) and the hybrid under the other
+rule (`hybrid-b16-ARM`), then writes the bench's tables (the prompt sets rotate, so every
+request follows one of another set) and what each hybrid's TreeState learned.
 
     .venv/bin/python benchmarks/tree_state_ab.py --arm oldcarry --limit 5 --max-new-tokens 256 \\
         --output benchmarks/cpu/session23/results.json --markdown benchmarks/cpu/session23/results.md
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 
-ARMS = {"oldcarry": {"gain_carry": 1.0, "probe_first": False}, "unscaled": {"scale_verify": False}}
+ARMS = {"oldcarry": {"gain_carry": 1.0, "probe_first": False}, "scaled": {"scale_verify": True}}
 
 
 def main(argv=None) -> int:
@@ -39,7 +41,7 @@ def main(argv=None) -> int:
     from dflash.text.pipeline import Pipeline
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arm", choices=sorted(ARMS), default="unscaled", help="the older rule to run beside the default")
+    p.add_argument("--arm", choices=sorted(ARMS), default="scaled", help="the older rule to run beside the default")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "math", "mtbench", "sharegpt"])
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -279,10 +279,10 @@ def test_the_draft_pass_is_charged_at_its_measured_time():
 
 
 def test_verify_passes_are_charged_at_the_speed_the_machine_runs_them_now():
-    """Each verify pass is timed beside the cost model's figure; the running ratio scales every
-    verify figure the gate and the node budget use, so a cost model measured on a faster (or
-    slower) hour weighs the measured draft pass in the same units. Ratios count within 1/4..4;
-    `scale_verify=False` keeps the model's figures."""
+    """Each verify pass is timed beside the cost model's figure and the running ratio kept
+    (ratios count within 1/4..4); with `scale_verify` it scales every verify figure the gate and
+    the node budget use, so the measured draft pass is weighed in the same units; without (the
+    default) the model's figures stand."""
     state = TreeState()
     for _ in range(10):
         state.observe_verify_ms(20.0, 10.0)  # the machine runs verify passes at twice the model's figure
@@ -290,18 +290,17 @@ def test_verify_passes_are_charged_at_the_speed_the_machine_runs_them_now():
     capped = TreeState()
     capped.observe_verify_ms(1e6, 10.0)  # a pause counts as 4x
     assert capped.verify_scale == pytest.approx(0.8 + 0.2 * 4.0)
-    fixed = TreeState(scale_verify=False)
-    fixed.observe_verify_ms(20.0, 10.0)
-    assert fixed.verify_scale == 1.0 and fixed.verify_timed == 0
-
-    proposer = TreeProposer(None, verify_cost=lambda n: 10.0 * n, draft_cost=5.0, state=TreeState(verify_scale=2.0))
-    seen = []
-    proposer.gain.observe = lambda *a: seen.append(a)  # our own object: recording what it is told
     t = torch.tensor
     tree = TokenTree(t([7, 8, 9, 4]), t([-1, 0, 1, -1]), t([1, 2, 3, 1]), t([0.9, 0.5, 0.3, 0.2]),
                      ("draft+suffix", "draft", "suffix", "suffix"))
-    proposer._observe_gain(tree, [0, 1])
-    assert seen == [(3, 5.0 + 100.0, 2, 80.0)]  # the verify figures doubled, the measured draft pass not
+    seen = []
+    for scale_verify in (True, False):
+        proposer = TreeProposer(None, verify_cost=lambda n: 10.0 * n, draft_cost=5.0,
+                                state=TreeState(verify_scale=2.0, scale_verify=scale_verify))
+        proposer.gain.observe = lambda *a: seen.append(a)  # our own object: recording what it is told
+        proposer._observe_gain(tree, [0, 1])
+    assert seen == [(3, 5.0 + 100.0, 2, 80.0),  # scaled: the verify figures doubled, the measured draft pass not
+                    (3, 5.0 + 50.0, 2, 40.0)]  # the default: the cost model's figures
 
 
 def test_the_loop_times_every_verify_pass_of_a_tree_proposer():

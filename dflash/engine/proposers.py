@@ -224,10 +224,10 @@ class TreeProposer(Proposer):
     has nothing (it is then the only source) may not pay beside a long, trusted match, so each
     step asks the gain of its own offer. The draft pass is charged at its measured time
     (the pass, its softmax and its nodes' insertion, timed each drafted step; `draft_cost`,
-    the cost model's figure, until then), and the verify passes in the same units: each pass
-    is timed too and the cost model's figures scaled by the running ratio of the timed to the
-    modelled (`TreeState.verify_scale`), so a machine slower or faster now than when its cost
-    model was measured does not tilt the comparison. What it learns lives in a `TreeState`:
+    the cost model's figure, until then). Each verify pass is timed too, and the running ratio
+    of timed to modelled kept (`TreeState.verify_scale`: how far the cost model is off now);
+    `TreeState.scale_verify` would charge verify passes at it (off: an A/B on the AMD EPYC of
+    session 28 found it drafted more and ran no faster). What it learns lives in a `TreeState`:
     pass one a pipeline keeps, and a request starts from what earlier ones learned."""
 
     def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
@@ -325,9 +325,9 @@ class TreeProposer(Proposer):
         return False
 
     def _verify_ms(self, n: int) -> float:
-        """A verify pass over n tokens as this machine runs it now: the cost model's figure times
-        the measured scale (`TreeState.verify_scale`)."""
-        return self.verify_cost(n) * self.state.verify_scale
+        """A verify pass over n tokens: the cost model's figure, times the measured scale where the
+        state applies it (`TreeState.scale_verify`)."""
+        return self.verify_cost(n) * (self.state.verify_scale if self.state.scale_verify else 1.0)
 
     def _budget(self, tree: TokenTree) -> int:
         """The number of best-first nodes n maximising (1 + their summed scores) / step time."""
@@ -407,9 +407,9 @@ class TreeState:
     than what this request shows, and (`probe_first`) runs the draft on its first step of each
     offer bucket: a math question after a chat must not decode plainly for a dozen steps
     because the chat's draft did not pay. It also keeps how much slower (or faster) the verify
-    passes run than the cost model says (`verify_scale`), so the measured draft pass is weighed
-    against verify passes in the same units; `scale_verify=False` keeps the cost model's
-    figures (the gate before session 28, for A/B runs)."""
+    passes run than the cost model says (`verify_scale`); `scale_verify=True` charges them at
+    that scale, so the measured draft pass is weighed in the same units (off by default: see
+    `TreeProposer`; for A/B runs)."""
     calibration: Calibration = field(default_factory=Calibration)
     gains: dict[int, DraftGain] = field(default_factory=lambda: {o: DraftGain() for o in OFFERS})
     skipped: dict[int, int] = field(default_factory=lambda: dict.fromkeys(OFFERS, 0))
@@ -417,7 +417,7 @@ class TreeState:
     draft_ms: float | None = None  # running mean of the timed draft passes; None: none timed yet
     verify_scale: float = 1.0  # running mean of timed verify passes over the cost model's figures (from 1)
     verify_timed: int = 0  # verify passes timed so far
-    scale_verify: bool = True
+    scale_verify: bool = False  # True: the gate and the node budget charge verify passes at verify_scale
     carry: float = 0.5
     gain_carry: float = 0.5  # 1: the gains carry over whole
     probe_first: bool = True
@@ -438,7 +438,7 @@ class TreeState:
     def observe_verify_ms(self, ms: float, modelled: float) -> None:
         """One timed verify pass (from the proposal's end to its commit) beside the cost model's
         figure for it; the ratio counts between 1/4 and 4 (a warm-up or a pause counts as 4)."""
-        if not self.scale_verify or modelled <= 0:
+        if modelled <= 0:
             return
         ratio = min(max(ms / modelled, 0.25), 4.0)
         self.verify_scale = self.decay * self.verify_scale + (1 - self.decay) * ratio  # from 1: the model's figures
