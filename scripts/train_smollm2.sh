@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the shipped draft dflash/drafts/smollm2-135m-instruct on a CPU machine, in the
-# twenty-one stages it was trained in. Every step resumes: re-run after an interruption and it continues
+# twenty-two stages it was trained in. Every step resumes: re-run after an interruption and it continues
 # where it stopped.
 #   stage 1 (session 2, run main2): the first 26 shards of 64 prompts, an 800-step cosine at lr
 #            1e-3 from the target's layers (the run itself planned 950 steps and was cut to 800 at
@@ -77,7 +77,11 @@
 #   stage 21 (session 27, run h21): warm-started from stage 20's last step on fresh shards only
 #            (--skip-shards leaves out what stage 20 trained on): shards 10-25 of data/smollm2-l
 #            (math and library stubs, last seen in stage 18), 22-31 of -q and 18-31 of -r; a 600-step
-#            cosine at peak lr 2e-4; its last step is the shipped draft
+#            cosine at peak lr 2e-4 (shipped in session 27)
+#   stage 22 (session 28, run h22): warm-started from stage 21's last step (the session-28 run
+#            started from its shipped fp16 copy) on the last fresh shards: 32-39 of data/smollm2-q
+#            and 32-39 of -r (finishing both lists), a 300-step cosine at peak lr 2e-4; its last
+#            step is the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +125,7 @@ DATA19=${DATA19:-runs/data/smollm2-r}
 RUN19=${RUN19:-runs/fit/h19}
 RUN20=${RUN20:-runs/fit/h20}
 RUN21=${RUN21:-runs/fit/h21}
+RUN22=${RUN22:-runs/fit/h22}
 THREADS=${THREADS:-2}
 COMMON="--resume --init target --num-layers 2 --loss-vocab draft --draft-vocab 8192 --batch-size 8
     --anchors-per-seq 32 --heldout-frac 0.05 --eval-every 50 --tau-every 400 --eval-tau-prompts 2
@@ -146,7 +151,7 @@ rebuild() {  # $1 a kept list under data/, $2 its features folder[, $3 its first
 }
 warm() {  # $1 run, $2 data folder, $3 warm start[, $4 more data folders as JSON[, $5 steps (500)[, $6 lr (5e-4)
            #   [, $7 the first N shards of $2 only[, $8 per folder the first shards to leave out, JSON]]]]]]:
-           #   stages 4-21, gamma 4
+           #   stages 4-22, gamma 4
     $PY -m dflash.cli train fit --data "$2" ${7:+--data-shards "$7"} --more-data "${4:-[]}" --out "$1" --resume \
         ${8:+--skip-shards "$8"} \
         --init-from "$3" \
@@ -194,9 +199,12 @@ rebuild smollm2-q "$DATA18" 32
 rebuild smollm2-r "$DATA19" 32
 warm "$RUN21" "$DATA13" "$RUN20/final" "[\"$DATA18\", \"$DATA19\"]" 600 2e-4 16 \
     "{\"$DATA13\": 10, \"$DATA18\": 22, \"$DATA19\": 18}"
+rebuild smollm2-q "$DATA18" 40
+rebuild smollm2-r "$DATA19" 40
+warm "$RUN22" "$DATA18" "$RUN21/final" "[\"$DATA19\"]" 300 2e-4 "" "{\"$DATA18\": 32, \"$DATA19\": 32}"
 $PY -m dflash.cli train plot "$RUN1" "$RUN2" "$RUN3" "$RUN4" "$RUN5" "$RUN6" "$RUN7" "$RUN8" "$RUN9" "$RUN10" "$RUN11" \
-    "$RUN12" "$RUN13" "$RUN14" "$RUN15" "$RUN16" "$RUN17" "$RUN18" "$RUN19" "$RUN20" "$RUN21" \
-    --chain --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 h15 h16 h17 h18 h19 h20 h21 \
+    "$RUN12" "$RUN13" "$RUN14" "$RUN15" "$RUN16" "$RUN17" "$RUN18" "$RUN19" "$RUN20" "$RUN21" "$RUN22" \
+    --chain --labels main2 main3 main4 gamma4 d5 e2 f2 g2 h9 h10 h11 h12 h13 h14 h15 h16 h17 h18 h19 h20 h21 h22 \
     --out docs/training_lineage.png
-$PY -m dflash.cli train ship "$RUN21" --which final --dest dflash/drafts/smollm2-135m-instruct \
-    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h20/final (stage 20)"}'
+$PY -m dflash.cli train ship "$RUN22" --which final --dest dflash/drafts/smollm2-135m-instruct \
+    --extra '{"reproduce": "scripts/train_smollm2.sh", "warm_start_from": "runs/fit/h21/final (stage 21)"}'
