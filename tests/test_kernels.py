@@ -70,6 +70,20 @@ def test_every_candidate_computes_the_same_product():
                 assert torch.allclose(impl.build(w, b)(x), ref, atol=tol), (name, n)
 
 
+def test_kernels_built_from_a_models_parameters_record_no_autograd_outside_inference_mode():
+    """A model's weights are Parameters. A kernel is an inference kernel: called in grad mode
+    (a user's script, a notebook) it must neither record autograd through its copy of the
+    weight (oneDNN's packed weight then runs ~100x slower) nor change the product."""
+    w, b = torch.nn.Parameter(torch.randn(40, 24)), torch.nn.Parameter(torch.randn(40))
+    x = torch.randn(1, 3, 24)
+    ref = torch.nn.functional.linear(x, w, b).detach()
+    copying = [name for name, impl in K.IMPLS.items() if impl.available(w) and name.startswith("onednn")]
+    for name in copying:
+        out = K.IMPLS[name].build(w, b)(x)
+        tol = 1e-5 if K.IMPLS[name].exact else 3e-2 * ref.abs().max().item()
+        assert not out.requires_grad and torch.allclose(out, ref, atol=tol), name
+
+
 def test_linear_holds_only_the_copies_it_uses_and_dispatches_by_rows():
     w = torch.randn(32, 16)
     c = K.ShapeChoice((32, 16), B, {b: ("linear" if b == 1 else "transposed") for b in B})

@@ -85,7 +85,10 @@ def _transposed(w, b):
 
 
 def _onednn(w, b):
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    # packed from the detached weight: packed from a Parameter, the op records autograd and runs
+    # 100x slower wherever grad mode is on (these are inference kernels: no backward)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+    b = None if b is None else b.detach()
     op = torch.ops.mkldnn._linear_pointwise
 
     def fn(x):
@@ -95,8 +98,8 @@ def _onednn(w, b):
 
 
 def _onednn_bf16(w, b):
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), None)
-    bias = None if b is None else b.to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(torch.bfloat16), None)  # as in _onednn
+    bias = None if b is None else b.detach().to(torch.bfloat16)
     op = torch.ops.mkldnn._linear_pointwise
 
     def fn(x):
