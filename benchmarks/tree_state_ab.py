@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from dflash.text.pipeline import Pipeline
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arm", choices=sorted(ARMS), default="scaled", help="the older rule to run beside the default")
+    p.add_argument("--arm", choices=sorted(ARMS), default="scaled", help="the other rule to run beside the default")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "math", "mtbench", "sharegpt"])
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -278,7 +278,7 @@ def test_the_draft_pass_is_charged_at_its_measured_time():
     assert proposer.draft_cost == pytest.approx(0.8 * 20.0 + 0.2 * 5.0)
 
 
-def test_verify_passes_are_charged_at_the_speed_the_machine_runs_them_now():
+def test_verify_passes_are_timed_and_charged_at_the_measured_scale_only_when_asked():
     """Each verify pass is timed beside the cost model's figure and the running ratio kept
     (ratios count within 1/4..4); with `scale_verify` it scales every verify figure the gate and
     the node budget use, so the measured draft pass is weighed in the same units; without (the
