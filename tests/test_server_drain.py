@@ -1,6 +1,7 @@
-"""D4 of issue 16: `dflash serve` as a real process (a tiny random model saved to a folder) gets
-SIGTERM while a stream runs. While it drains, the listener stays open: /health and the API
-answer 503 `shutting_down`; the stream still finishes; then the process exits by the signal."""
+"""D4 of the serve probe (test_server_hardening.py has the rest): `dflash serve` as a real
+process (a tiny random model saved to a folder) gets SIGTERM while a stream runs. While it
+drains, the listener stays open: /health and the API answer 503 `shutting_down`; the stream
+still finishes; then the process exits by the signal."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a probe of `dflash serve` found (issue 16), each reproduced against a live server on
+"""What a probe of `dflash serve` found, each reproduced against a live server on
 127.0.0.1: D1 tiny temperatures (engine and server), D2 body and prompt limits and input
 handled off the event loop, D3 Host/Origin/content-type checks, D5 server-side token and time
 limits, and the minor ones (no trailing U+FFFD, the key checked before routing, stream failures

@@ -1,4 +1,4 @@
-"""A bounded soak of `dflash serve` (issue 16), slow: the real process on a tiny random model,
+"""A bounded soak of `dflash serve`, slow: the real process on a tiny random model,
 64 concurrent clients for SOAK_S seconds mixing streamed and plain, chat and completions,
 mid-stream disconnects and bad inputs. Every answer is checked against its prompt's solo
 (offline greedy) answer; every request is accounted for in /metrics; the server is healthy

@@ -28,7 +28,7 @@ import torch
 from dflash.engine import machine
 from dflash.engine.cache import StaticTargetCache
 
-VERSION = 4  # 2: the draft step runs the draft's measured kernels; 3: they may be bf16; 4: stacked products
+VERSION = 4  # bump when what is measured or how changes: a cached cost model of an older version is measured again
 NS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 SECOND_NS = (1, 4, 16, 32)
 CONTEXTS = (256, 1024)

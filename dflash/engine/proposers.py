@@ -226,8 +226,8 @@ class TreeProposer(Proposer):
     (the pass, its softmax and its nodes' insertion, timed each drafted step; `draft_cost`,
     the cost model's figure, until then). Each verify pass is timed too, and the running ratio
     of timed to modelled kept (`TreeState.verify_scale`: how far the cost model is off now);
-    `TreeState.scale_verify` would charge verify passes at it (off: an A/B on the AMD EPYC of
-    session 28 found it drafted more and ran no faster). What it learns lives in a `TreeState`:
+    `TreeState.scale_verify` would charge verify passes at it (off by default: on the AMD EPYC
+    it drafted more and ran no faster; see benchmarks/README.md). What it learns lives in a `TreeState`:
     pass one a pipeline keeps, and a request starts from what earlier ones learned."""
 
     def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
