@@ -4,8 +4,9 @@
 
 Prompts: reasoning-gym math (evaluation seeds), HumanEval, MT-Bench first turns: none of
 them is in the training data. One thread, so it can run beside other jobs. The draft runs at
-its weights' precision (`--kernels precise`, as in every session's eval before session 19;
-`auto` lets its linears take bf16 kernels as the engine's default does)."""
+its weights' precision by default (`--kernels precise`), so its figures compare with every
+eval tau in docs/TRAINING.md; `auto` lets its linears take bf16 kernels as the engine's default
+does (on h14's 5-prompt eval that moved tau by -0.014 / -0.011 / -0.003, within the noise)."""
 
 import argparse
 import json

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
 # The recipe comparisons of docs/TRAINING.md: arms that differ in one setting, at equal data,
-# steps and seed, all warm-started from START (default: the shipped draft; sessions 5 and 7
-# started from main4, which stage 3 of scripts/train_smollm2.sh rebuilds: START=runs/fit/main4/best)
-# on data it never saw (data/smollm2-c, its first SHARDS shards; session 8 ships the gamma-4
-# arm trained on all of them, so a new comparison needs new data). Every step resumes: re-run after an interruption
-# and it continues where it stopped.
+# steps and seed, all warm-started from START (default: the shipped draft; the published
+# comparisons started from main4, which stage 3 of scripts/train_smollm2.sh rebuilds:
+# START=runs/fit/main4/best) on data it never saw (data/smollm2-c, its first SHARDS shards; the
+# shipped lineage has trained on all of smollm2-c since its gamma-4 stage, so a comparison that
+# starts from the shipped draft needs other data: DATA_FLAGS). Every step resumes: re-run after
+# an interruption and it continues where it stopped.
 #   1. rebuild the kept responses' features and soft labels by one target prefill each (--topk 32)
 #   2. one fit per arm, two at a time (PARALLEL=1), each with THREADS torch threads
 #   3. tau of each arm's best draft on evaluation prompts (scripts/train_measure_tau.py)
 #   4. the held-out curves of all arms in one plot ($PLOT)
-# ARMS: ";"-separated "name=flags", the flags added to the common ones. The default is the
-# session-5 question, hard-label CE against distillation of the target's top-k:
+# ARMS: ";"-separated "name=flags", the flags added to the common ones. The default compares
+# hard-label CE against distillation of the target's top-k:
 #   ARMS="hard=--distill-weight 0;distill=--distill-weight 0.5"
-# Session 7 added, against the same hard arm: ARMS="radam=--optimizer radam;gamma4=--gamma 4"
+# the optimizer and the position weights, against the same hard arm:
+#   ARMS="radam=--optimizer radam;gamma4=--gamma 4"
 # DATA_FLAGS: other data than smollm2-c's first SHARDS shards (nothing is rebuilt then; the
-# folders must hold their features already), e.g. session 10's
+# folders must hold their features already), e.g. the depth and warm-up comparison on d + e:
 #   DATA_FLAGS="--data runs/data/smollm2-d --more-data [\"runs/data/smollm2-e\"]" START=runs/fit/d5/best
-# INIT: how every arm starts (default: warm from START); session 11 compared the target layers the
-# draft reads from scratch, each arm naming its own features (a later --data wins):
+# INIT: how every arm starts (default: warm from START); to compare the target layers the
+# draft reads, from scratch, each arm naming its own features (a later --data wins):
 #   INIT="--init target" LR=1e-3 STEPS=600 WARMUP=0.04 GAMMA=4 TAU_N=10 DATA_FLAGS="--data runs/data/smollm2-e" \
 #   ARMS="l27=;l29=--data runs/data/smollm2-e29" PLOT=docs/training_layers.png scripts/train_recipe.sh
 # TAU_N: evaluation prompts per domain for step 3 (default 5)

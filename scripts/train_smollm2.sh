@@ -1,87 +1,86 @@
 #!/usr/bin/env bash
 # Reproduce the shipped draft dflash/drafts/smollm2-135m-instruct on a CPU machine, in the
-# twenty-two stages it was trained in. Every step resumes: re-run after an interruption and it continues
-# where it stopped.
-#   stage 1 (session 2, run main2): the first 26 shards of 64 prompts, an 800-step cosine at lr
-#            1e-3 from the target's layers (the run itself planned 950 steps and was cut to 800 at
-#            step 425 by a resume with --max-steps 800; best held-out at step 750)
-#   stage 2 (session 3, run main3): all 47 shards (3 000 prompts), a 500-step cosine at lr 5e-4
+# twenty-two stages it was trained in (docs/TRAINING.md has the lineage table with each stage's
+# data, CPU-hours and tau). Every step resumes: re-run after an interruption and it continues
+# where it stopped. The shipped draft is stage 22's last step.
+#   stage 1 (run main2): the first 26 shards of 64 prompts, an 800-step cosine at lr 1e-3 from
+#            the target's layers (the original run planned 950 steps and was cut to 800 at step
+#            425 by a resume with --max-steps 800; best held-out at step 750)
+#   stage 2 (run main3): all 47 shards (3 000 prompts), a 500-step cosine at lr 5e-4
 #            warm-started from stage 1's best
-#   stage 3 (session 4, run main4): 47 new shards (prompts 3 008-5 999 of a 6 000-prompt list, in
-#            their own folder), warm-started from stage 2's best (shipped in sessions 4-7). Its
-#            responses are committed in data/smollm2-b, so this stage rebuilds them by one target
-#            prefill each instead of regenerating them
-#   stage 4 (session 8, run gamma4): the 47 shards of data/smollm2-c (445 K tokens main4 never
-#            saw, rebuilt by prefill), warm-started from stage 3's best (the session-8 run started
-#            from its shipped fp16 copy, dflash/drafts/ at commit f2e3b61), 500 steps at lr 5e-4 with
-#            gamma 4 (session 7's best arm, docs/TRAINING.md); shipped in session 8
-#   stage 5 (session 9, run d5): the 54 shards of data/smollm2-d (679 K tokens with HumanEval-shaped
+#   stage 3 (run main4): 47 new shards (prompts 3 008-5 999 of a 6 000-prompt list, in their own
+#            folder), warm-started from stage 2's best. Its responses are committed in
+#            data/smollm2-b, so this stage rebuilds them by one target prefill each instead of
+#            regenerating them
+#   stage 4 (run gamma4): the 47 shards of data/smollm2-c (445 K tokens main4 never saw,
+#            rebuilt by prefill), warm-started from stage 3's best, 500 steps at lr 5e-4 with
+#            gamma 4 (the best arm of the recipe comparison, docs/TRAINING.md; the original run
+#            started from main4's shipped fp16 copy, dflash/drafts/ at commit f2e3b61)
+#   stage 5 (run d5): the 54 shards of data/smollm2-d (679 K tokens with HumanEval-shaped
 #            docstring prompts and 448-token math/code answers, rebuilt by prefill), warm-started
-#            from stage 4's best, the same 500 steps at lr 5e-4 with gamma 4 (shipped in session 9)
-#   stage 6 (session 10, run e2): smollm2-d and the 40 shards of data/smollm2-e (621 K tokens on
-#            no earlier prompt list) as one pool (--more-data), warm-started from stage 5's best,
-#            the same 500 steps (shipped in session 10; session 10 ran it as the `e2` arm of
-#            scripts/train_recipe.sh on 1 thread, beside another arm)
-#   stage 7 (session 11, run f2): smollm2-d, smollm2-e and the 40 shards of data/smollm2-f (578 K
-#            tokens with the `method` source) as one pool, warm-started from stage 6's best, the
-#            same 500 steps (shipped in session 12, then replaced by stage 8)
-#   stage 8 (session 12, run g2): smollm2-d, -e, -f and the 40 shards of data/smollm2-g (581 K
-#            tokens, as f on a fifth disjoint prompt list) as one pool, warm-started from stage
-#            7's best, the same 500 steps (shipped in session 12, then replaced by stage 9)
-#   stage 9 (session 14, run h9): smollm2-d, -g and the 40 shards of data/smollm2-h (581 K tokens
-#            on a sixth disjoint prompt list) as one pool (e and f left out: stage 8 had them and
-#            their rebuild would cost a fresh machine ~50 min more), warm-started from stage 8's
-#            best, the same 500 steps; its last step was shipped in session 14 (chosen over step
-#            350, the held-out best by 0.004, on eval tau; replaced by stage 10)
-#   stage 10 (session 15, run h10): stage 9's pool and the 40 shards of data/smollm2-i (617 K
-#            tokens on a seventh disjoint prompt list), warm-started from stage 9's last step, the
-#            same 500 steps; its last step (also its held-out best) was shipped in session 15
-#            (replaced by stage 11)
-#   stage 11 (session 16, run h11): stage 10's pool and the 40 shards of data/smollm2-j (552 K
-#            tokens on an eighth disjoint prompt list, code from the `library` stubs),
-#            warm-started from stage 10's last step, the same 500 steps; its held-out best
-#            (step 400) is the shipped draft (chosen over step 500 on eval tau)
-#   stage 12 (session 17, run h12): stage 11's pool and the 40 shards of data/smollm2-k (a ninth
-#            disjoint prompt list), warm-started from stage 11's best, a longer cosine: 1 000 steps
-#            (the earlier stages' 500 steps saw about a third of their pool once); its last step
-#            was shipped in session 17 (chosen over step 825, the held-out best, on eval tau)
-#   stage 13 (session 18, run h13): stage 12's pool again (no new data), warm-started from stage
-#            12's last step, a 2 000-step cosine at a lower peak lr, 3e-4 (1.15 epochs of the pool;
-#            the 5e-4 restarts of earlier stages lost held-out tau for their first 300-500 steps); its
-#            last step was shipped in session 18 (step 1 725, the held-out best, evaluates the same)
-#   stage 14 (session 19, run h14): the same pool a third time, warm-started from stage 13's last
-#            step, a 1 000-step cosine at peak lr 2e-4 (session 19 ran it on 1 thread beside a
-#            3-layer arm); its last step is the shipped draft
-#   stage 15 (session 21, run h15): warm-started from stage 14's last step on the newest data only:
-#            the 40 shards of data/smollm2-l and the first 28 of data/smollm2-m (the first list with
-#            follow-up chat), a 600-step cosine at peak lr 2e-4 (session 21 started it from the
-#            shipped fp16 copy of stage 14)
-#   stage 16 (session 22, run h16): warm-started from stage 15's last step on data/smollm2-l, all
-#            40 shards of data/smollm2-m and the first 22 of data/smollm2-n (the first list with the
-#            `package` source: HumanEval-shaped stubs from matplotlib, pandas, rich, ...), a 700-step
-#            cosine at peak lr 2e-4
-#   stage 17 (session 23, run h17): warm-started from stage 16's last step on data/smollm2-l, -m and
-#            all 40 shards of data/smollm2-n, a 700-step cosine at peak lr 2e-4 (shipped in session 23)
-#   stage 18 (session 24, run h18): warm-started from stage 17's last step on data/smollm2-l, -m, -n
-#            and all 40 shards of data/smollm2-o (n's mix on a thirteenth disjoint prompt list), a
-#            800-step cosine at peak lr 2e-4 (shipped in session 24)
-#   stage 19 (session 25, run h19): warm-started from stage 18's last step on data/smollm2-n, -o,
-#            the first 5 shards of -p, the first 13 of -q (stubs from transformers, scipy, pytest,
-#            ...: the `package2` source) and the first 6 of -r (writing requests: the `writing`
-#            source); l and m left out, so the new shapes weigh more; a 600-step cosine at peak lr
-#            2e-4 (shipped in session 25)
-#   stage 20 (session 26, run h20): warm-started from stage 19's last step on the first 10 shards of
-#            data/smollm2-l (its math), the 5 of -p, the first 22 of -q and the first 18 of -r; n, o
-#            and m left out (seen two to four times), so most steps go to responses the draft never
-#            saw; a 600-step cosine at peak lr 2e-4 (shipped in session 26)
-#   stage 21 (session 27, run h21): warm-started from stage 20's last step on fresh shards only
+#            from stage 4's best, the same 500 steps at lr 5e-4 with gamma 4
+#   stage 6 (run e2): smollm2-d and the 40 shards of data/smollm2-e (621 K tokens on no earlier
+#            prompt list) as one pool (--more-data), warm-started from stage 5's best, the same
+#            500 steps (the original run was the `e2` arm of scripts/train_recipe.sh, on 1
+#            thread beside another arm)
+#   stage 7 (run f2): smollm2-d, smollm2-e and the 40 shards of data/smollm2-f (578 K tokens with
+#            the `method` source) as one pool, warm-started from stage 6's best, the same 500 steps
+#   stage 8 (run g2): smollm2-d, -e, -f and the 40 shards of data/smollm2-g (581 K tokens, as f on
+#            a fifth disjoint prompt list) as one pool, warm-started from stage 7's best, the same
+#            500 steps
+#   stage 9 (run h9): smollm2-d, -g and the 40 shards of data/smollm2-h (581 K tokens on a sixth
+#            disjoint prompt list) as one pool (e and f left out: stage 8 had them and their
+#            rebuild would cost a fresh machine ~50 min more), warm-started from stage 8's best,
+#            the same 500 steps; the next stage starts from its last step (chosen over step 350,
+#            the held-out best by 0.004, on eval tau)
+#   stage 10 (run h10): stage 9's pool and the 40 shards of data/smollm2-i (617 K tokens on a
+#            seventh disjoint prompt list), warm-started from stage 9's last step, the same 500
+#            steps; the next stage starts from its last step (also its held-out best)
+#   stage 11 (run h11): stage 10's pool and the 40 shards of data/smollm2-j (552 K tokens on an
+#            eighth disjoint prompt list, code from the `library` stubs), warm-started from stage
+#            10's last step, the same 500 steps; the next stage starts from its held-out best (step
+#            400, chosen over step 500 on eval tau)
+#   stage 12 (run h12): stage 11's pool and the 40 shards of data/smollm2-k (a ninth disjoint
+#            prompt list), warm-started from stage 11's best, a longer cosine: 1 000 steps (the
+#            earlier stages' 500 steps saw about a third of their pool once); the next stage starts
+#            from its last step (chosen over step 825, the held-out best, on eval tau)
+#   stage 13 (run h13): stage 12's pool again (no new data), warm-started from stage 12's last
+#            step, a 2 000-step cosine at a lower peak lr, 3e-4 (1.15 epochs of the pool; the
+#            5e-4 restarts of earlier stages lost held-out tau for their first 300-500 steps);
+#            the next stage starts from its last step (step 1 725, the held-out best, evaluates
+#            the same)
+#   stage 14 (run h14): the same pool a third time, warm-started from stage 13's last step, a
+#            1 000-step cosine at peak lr 2e-4 (the original run had 1 thread, beside a
+#            3-layer arm)
+#   stage 15 (run h15): warm-started from stage 14's last step on the newest data only: the 40
+#            shards of data/smollm2-l and the first 28 of data/smollm2-m (the first list with
+#            follow-up chat), a 600-step cosine at peak lr 2e-4 (the original run started from
+#            stage 14's shipped fp16 copy)
+#   stage 16 (run h16): warm-started from stage 15's last step on data/smollm2-l, all 40 shards
+#            of data/smollm2-m and the first 22 of data/smollm2-n (the first list with the
+#            `package` source: HumanEval-shaped stubs from matplotlib, pandas, rich, ...), a
+#            700-step cosine at peak lr 2e-4
+#   stage 17 (run h17): warm-started from stage 16's last step on data/smollm2-l, -m and all 40
+#            shards of data/smollm2-n, a 700-step cosine at peak lr 2e-4
+#   stage 18 (run h18): warm-started from stage 17's last step on data/smollm2-l, -m, -n and all
+#            40 shards of data/smollm2-o (n's mix on a thirteenth disjoint prompt list), an
+#            800-step cosine at peak lr 2e-4
+#   stage 19 (run h19): warm-started from stage 18's last step on data/smollm2-n, -o, the first
+#            5 shards of -p, the first 13 of -q (stubs from transformers, scipy, pytest, ...: the
+#            `package2` source) and the first 6 of -r (writing requests: the `writing` source);
+#            l and m left out, so the new shapes weigh more; a 600-step cosine at peak lr 2e-4
+#   stage 20 (run h20): warm-started from stage 19's last step on the first 10 shards of
+#            data/smollm2-l (its math), the 5 of -p, the first 22 of -q and the first 18 of -r;
+#            n, o and m left out (seen two to four times), so most steps go to responses the
+#            draft never saw; a 600-step cosine at peak lr 2e-4
+#   stage 21 (run h21): warm-started from stage 20's last step on fresh shards only
 #            (--skip-shards leaves out what stage 20 trained on): shards 10-25 of data/smollm2-l
-#            (math and library stubs, last seen in stage 18), 22-31 of -q and 18-31 of -r; a 600-step
-#            cosine at peak lr 2e-4 (shipped in session 27)
-#   stage 22 (session 28, run h22): warm-started from stage 21's last step (the session-28 run
-#            started from its shipped fp16 copy) on the last fresh shards: 32-39 of data/smollm2-q
-#            and 32-39 of -r (finishing both lists), a 300-step cosine at peak lr 2e-4; its last
-#            step is the shipped draft
+#            (math and library stubs, last seen in stage 18), 22-31 of -q and 18-31 of -r; a
+#            600-step cosine at peak lr 2e-4
+#   stage 22 (run h22): warm-started from stage 21's last step (the original run started from
+#            its shipped fp16 copy) on the last fresh shards: 32-39 of data/smollm2-q and 32-39
+#            of -r (finishing both lists), a 300-step cosine at peak lr 2e-4; its last step is
+#            the shipped draft
 #   THREADS  torch threads per job (the machine's cores when nothing else runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -50,7 +50,7 @@ STYLES = [
 ]
 
 
-# added in session 4, after the 6 000-prompt lists had used nearly all combinations of TASKS;
+# added after the 6 000-prompt lists had used nearly all combinations of TASKS;
 # read only after every TASKS combination, so the earlier lists (and the kept responses of
 # data/smollm2-b) keep their prompts
 MORE_TASKS = [
@@ -142,7 +142,7 @@ def docstring_functions(root: str | Path | None = None, methods: bool = False,
 
 # torch's own pure-Python dependencies (mpmath comes with sympy): on every machine dflash runs
 LIBRARIES = ("sympy", "mpmath", "networkx", "jinja2")
-# the next pool (the `package` source, session 22, once LIBRARIES was spent): pure-Python
+# the next pool (the `package` source, once LIBRARIES was spent): pure-Python
 # packages `make test` installs beside dflash (its bench, data, serve and test extras and their
 # own dependencies), ~3.8 K stubs; transformers would add ~4 K more but takes minutes to parse
 PACKAGES = ("matplotlib", "pandas", "fontTools", "rich", "PIL", "numpy", "setuptools", "huggingface_hub",
@@ -170,7 +170,7 @@ def library_functions(libraries: tuple[str, ...] = LIBRARIES, private_modules: b
     return out
 
 
-# the fourth pool (the `package2` source, session 25, once PACKAGES was spent): more packages
+# the fourth pool (the `package2` source, once PACKAGES was spent): more packages
 # `make test` installs, transformers (dflash's own dependency) first; read with their private
 # modules (scipy, httpx and pytest keep public functions in `_name` modules). ~4 K stubs after
 # MAX_PER_NAME: transformers alone repeats `forward` 701 times, one per model
