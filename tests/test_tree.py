@@ -133,9 +133,9 @@ def test_greedy_walk_finds_a_path_planted_deep_in_a_later_branch():
             break
         row = 1 + node
     verdict = walk(tree, _one_hot_logits(tree, want), SamplingParams())
-    assert tree.tokens[verdict.path].tolist() == [1, 2, 7, 5] and verdict.bonus == 11
+    assert tree.tokens[verdict.path].tolist() == [1, 2, 7, 5] and verdict.token == 11
     rejected = walk(tree, _one_hot_logits(tree, {0: 10}), SamplingParams())
-    assert rejected.path == [] and rejected.bonus == 10
+    assert rejected.path == [] and rejected.token == 10
 
 
 def test_walk_computes_the_head_on_the_root_then_one_subtree():
@@ -147,7 +147,7 @@ def test_walk_computes_the_head_on_the_root_then_one_subtree():
         asked.append(rows.tolist())
         return logits[rows]
     verdict = walk(tree, head, SamplingParams())
-    assert tree.tokens[verdict.path].tolist() == [3, 4] and verdict.bonus == 0
+    assert tree.tokens[verdict.path].tolist() == [3, 4] and verdict.token == 0
     three = tree.children[(-1, 3)]
     assert asked == [[0], [1 + n for n in tree.subtree(three)]]  # never the rows under token 1
     asked.clear()
@@ -157,13 +157,13 @@ def test_walk_computes_the_head_on_the_root_then_one_subtree():
 
 
 def test_sampled_walk_draws_the_root_token_from_the_target():
-    """One node's draw: the emitted token (accepted child or bonus) follows p exactly."""
+    """One node's draw: the emitted token (an accepted child, or else the recovered token) follows p exactly."""
     tree = TreeBuilder().add_candidates([Candidate((1,), (0.9,)), Candidate((4,), (0.5,))]).build(5)
     logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
     params, g, counts = SamplingParams(0.7, top_k=5), torch.Generator().manual_seed(1), torch.zeros(6)
     for _ in range(4000):
         v = walk(tree, logits, params, g)
-        counts[int(tree.tokens[v.path[0]]) if v.path else v.bonus] += 1
+        counts[int(tree.tokens[v.path[0]]) if v.path else v.token] += 1
     p = probabilities(logits[0], params)
     keep = p > 0
     assert counts[~keep].sum() == 0
@@ -226,9 +226,9 @@ def _tree_steps(target, cache, root, n, make_tree, params, generator=None):
         final, _ = tree_forward(target, cache, root, tree, None)  # (1, 1+N, H)
         verdict = walk(tree, lambda rows: target.logits(final[0, rows]), params, generator)
         commit_path(cache, start, verdict.path)
-        out += tree.tokens[verdict.path].tolist() + [verdict.bonus]
+        out += tree.tokens[verdict.path].tolist() + [verdict.token]
         accepted.append(len(verdict.path))
-        root = verdict.bonus
+        root = verdict.token
     return out[:n], accepted
 
 
@@ -291,7 +291,7 @@ def test_sampled_tree_walk_follows_the_target_distribution(params):
         while len(out) < 3:
             tree, logits = tree_pass(out)
             verdict = walk(tree, logits, params, g)
-            out += tuple(tree.tokens[verdict.path].tolist()) + (verdict.bonus,)
+            out += tuple(tree.tokens[verdict.path].tolist()) + (verdict.token,)
             lengths.add(len(verdict.path))
         a, b, c = out[:3]
         counts[a * V * V + b * V + c] += 1

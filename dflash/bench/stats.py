@@ -13,7 +13,7 @@ from dflash.engine.stats import SpecStats, fold
 class Record:
     """One method on one prompt. `steps` holds (proposed, accepted, committed) per verify
     step of a speculative method: draft tokens proposed, of which accepted, tokens committed
-    (accepted + the target's own token, fewer when a stop token cut the step short).
+    (accepted + the recovered or bonus token, fewer when a stop token cut the step short).
     proposed = -1: the method does not say how many it proposed (HF prompt lookup). tau is
     the engine's one definition (engine/stats.py): tokens per verify step with proposals."""
     method: str
@@ -178,7 +178,7 @@ def first_mismatch(reference: list[int], other: list[int]) -> int | None:
 
 def expected_commits(rates: list[float | None], block_size: int) -> float:
     """Tokens one step commits at `block_size`, from unconditional per-position acceptance
-    measured at a block at least as large: 1 (the target's token) + sum of P(k accepted)."""
+    measured at a block at least as large: 1 (the recovered or bonus token) + sum of P(k accepted)."""
     return 1.0 + sum(r or 0.0 for r in rates[: block_size - 1])
 
 

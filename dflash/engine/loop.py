@@ -1,6 +1,8 @@
-"""The speculative loop: prefill, then draft a block, verify it, keep the accepted prefix plus
-the target's own token, roll both caches back (docs/METHOD.md). `stream_generate` yields the
-new tokens of each step; `dflash_generate` collects them.
+"""The speculative loop: prefill, then draft a block, verify it, keep the *accepted* tokens (the
+leading proposals the target agreed with) and then the target's own next token: the *recovered*
+token at the first rejected position, or the *bonus* token after a fully accepted block (vLLM's
+words, engine/sampling.py); roll both caches back (docs/METHOD.md). `stream_generate` yields
+the new tokens of each step; `dflash_generate` collects them.
 
 Two seams keep the loop short: a *proposer* makes each step's proposals, a chain or a tree
 (engine/proposers.py; the DFlash draft's `DraftProposer` by default) and a *policy* decides
@@ -36,7 +38,7 @@ __all__ = ["DraftHead", "DraftProposer", "GenerationError", "GenerationResult", 
 @dataclass
 class Step:
     """What one loop step committed."""
-    tokens: list[int]  # the new tokens, in order (accepted proposals, then the target's own)
+    tokens: list[int]  # the new tokens, in order (the accepted ones, then the recovered or bonus token)
     proposed: int  # proposals verified this step (0 for the prefill token and plain steps)
     accepted: int  # of which accepted
     finish_reason: str | None = None  # "stop", "length" or None while running
@@ -51,14 +53,14 @@ class GenerationResult:
     num_output_tokens: int
     time_to_first_token: float
     time_per_output_token: float
-    acceptance_lengths: list[int]  # tokens committed by each verify step (the bonus counts)
+    acceptance_lengths: list[int]  # tokens committed by each verify step (the recovered or bonus token counts)
     stats: SpecStats = field(default_factory=SpecStats)  # the verify steps, folded (engine/stats.py)
     finish_reason: str = "length"
     total_time: float = 0.0
 
     @property
     def tau(self) -> float:
-        """Tokens per verify step with proposals, the target's own included (engine/stats.py)."""
+        """Tokens per verify step with proposals, the recovered or bonus token included (engine/stats.py)."""
         return self.stats.mean_acceptance_length
 
     @property
@@ -72,7 +74,7 @@ class GenerationResult:
 
 
 def _verdict(block: Proposal, logits: torch.Tensor, params: SamplingParams, generator):
-    """logits: (1, K+1, V) -> (number of accepted proposals, the target's token after them)."""
+    """logits: (1, K+1, V) -> (number of accepted proposals, the recovered or bonus token)."""
     if params.greedy:
         n, tok = verify_greedy(block.tokens, logits)
     elif block.probs is None:
@@ -93,7 +95,7 @@ def _verify(block: Proposal, target: TargetModel, final: torch.Tensor, params: S
         first = target.logits(final[:, :1])  # (1, 1, V)
     if block.size == 0:
         return _verdict(block, first, params, generator)
-    # row 0 twice: the second row would only give the token after an accepted proposal 1,
+    # row 0 twice: the second row would only give the bonus token after an accepted proposal 1,
     # which is then dropped for the rest's own verdict
     n, tok = _verdict(block.slice(0, 1), first.expand(-1, 2, -1), params, generator)
     if n == 0:
@@ -105,22 +107,24 @@ def _verify(block: Proposal, target: TargetModel, final: torch.Tensor, params: S
 
 
 def _verify_chain(block: Proposal, target: TargetModel, cache, last, layer_ids, params, generator, timer):
-    """One pass over [last, proposals] -> (accepted tokens, bonus (1,), hidden (1, 1+K, kH) | None)."""
+    """One pass over [last, proposals] -> (accepted tokens, the recovered or bonus token (1,),
+    hidden (1, 1+K, kH) | None)."""
     verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, 1 + K)
     with timer.span("verify_forward"):
         final, hidden = target.forward_hidden(verify_ids, cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
-    n, bonus = _verify(block, target, final, params, generator, timer)
-    return block.tokens[0, :n].tolist(), bonus, hidden
+    n, tok = _verify(block, target, final, params, generator, timer)
+    return block.tokens[0, :n].tolist(), tok, hidden
 
 
 def _verify_tree(tree: TokenTree, target: TargetModel, cache, last, layer_ids, params, generator, timer):
     """One pass over [last ; tree nodes], walked from the root (exact for any tree: the target's
-    own token picks the child) -> (accepted node path, bonus (1,), hidden (1, 1+N, kH) | None)."""
+    own token picks the child) -> (accepted node path, the recovered or bonus token (1,),
+    hidden (1, 1+N, kH) | None)."""
     with timer.span("verify_forward"):
         final, hidden = tree_forward(target, cache, int(last), tree, layer_ids)  # (1, 1+N, H), (1, 1+N, kH)
     with timer.span("verify_head"):
         verdict = walk(tree, lambda rows: target.logits(final[:, rows])[0], params, generator)  # lazy head
-    return verdict.path, torch.tensor([verdict.bonus], device=last.device), hidden
+    return verdict.path, torch.tensor([verdict.token], device=last.device), hidden
 
 
 @torch.inference_mode()
@@ -179,7 +183,7 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
             accepted, last, hidden = _verify_chain(block, target, target_cache, last, layer_ids, params, generator,
                                                    timer)
             path = None
-        new = accepted + [int(last)]
+        new = accepted + [int(last)]  # `last`: the recovered or bonus token
         for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
             if t in stop:
                 new, finish = new[: i + 1], "stop"

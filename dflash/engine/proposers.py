@@ -63,8 +63,8 @@ class Proposer:
         raise NotImplementedError
 
     def commit(self, tokens: Sequence[int], path: Sequence[int] | None) -> None:
-        """The tokens the step committed (its last one is the new `last`); `path`: the accepted
-        tree nodes of the last proposal when it was a tree."""
+        """The tokens the step committed: the accepted ones, then the recovered or bonus token
+        (the new `last`); `path`: the accepted tree nodes of the last proposal when it was a tree."""
 
 
 @dataclass
@@ -210,8 +210,9 @@ class Calibration:
 
 class TreeProposer(Proposer):
     """A token tree from the draft's top-k per position and/or n-gram matches of the text so far,
-    cut each step to the node budget that maximises (1 + expected accepted) / step time, where
-    the expected accepted tokens of a tree are the sum of its nodes' calibrated path scores.
+    cut each step to the node budget that maximises (1 + expected accepted) / step time (the 1:
+    the recovered or bonus token every step commits), where the expected accepted tokens of a
+    tree are the sum of its nodes' calibrated path scores.
     `verify_cost(n)`: the time of a verify pass over n tokens (a cost model); None: always
     `max_nodes`. A budget of 0 makes the step a plain decoding step. With a cost model the draft
     pass itself is skipped while it does not pay for itself: after each drafted step the tree

@@ -1,8 +1,9 @@
 """Sampling and lossless verification of a drafted block (docs/METHOD.md §2).
 
-Words as in vLLM's rejection sampler: the draft's *accepted* tokens, the *recovered* token
-sampled where a draft token is rejected, and the *bonus* token sampled after a fully accepted
-block. Every function works on a batch, with shape comments on each argument."""
+Words as in vLLM's rejection sampler: the draft's *accepted* tokens (those the target agreed
+with), the *recovered* token the target gives at the first rejected position, and the *bonus*
+token it gives after a fully accepted block. The engine uses these words throughout. Every
+function works on a batch, with shape comments on each argument."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def accepted_prefix(ok: torch.Tensor) -> torch.Tensor:
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
     """draft_tokens: (B, K); target_logits: (B, K+1, V).
-    Returns (num_accepted (B,), next token (B,)): the bonus or the target's correction."""
+    Returns (num_accepted (B,), recovered-or-bonus token (B,)): the target's argmax at the first
+    rejected position, or after the block when all K are accepted."""
     target_tokens = target_logits.argmax(-1)  # (B, K+1)
     num_accepted = accepted_prefix(draft_tokens == target_tokens[:, :-1])  # (B,)
     return num_accepted, target_tokens.gather(1, num_accepted[:, None])[:, 0]
@@ -59,7 +61,8 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
 
 def verify_match(draft_tokens: torch.Tensor, target_probs: torch.Tensor, generator=None):
     """Greedy draft, sample-and-match. draft_tokens: (B, K); target_probs: (B, K+1, V).
-    The target samples at every position; proposals are accepted while they equal its sample."""
+    The target samples at every position; proposals are accepted while they equal its sample.
+    Returns (num_accepted (B,), recovered-or-bonus token (B,)): its sample after them."""
     target_tokens = sample(target_probs, generator)  # (B, K+1)
     num_accepted = accepted_prefix(draft_tokens == target_tokens[:, :-1])  # (B,)
     return num_accepted, target_tokens.gather(1, num_accepted[:, None])[:, 0]

@@ -1,7 +1,11 @@
 """The one fold of loop steps into statistics, and the one definition of tau.
 
-tau (mean acceptance length) = tokens committed per verify step that had proposals, the target's
-own token included: 1 + accepted / drafts. It is vLLM's `mean_acceptance_length`. Steps
+Words as in vLLM's rejection sampler: a verify step commits the draft tokens the target
+*accepted*, then one token of the target's own: the *recovered* token at the first rejected
+position, or the *bonus* token after a fully accepted block.
+
+tau (mean acceptance length) = tokens committed per verify step that had proposals, the
+recovered or bonus token included: 1 + accepted / drafts. It is vLLM's `mean_acceptance_length`. Steps
 without proposals (the prefill token, block size 1, a policy that skipped the draft) are
 counted apart in `num_plain_steps`: they neither raise nor lower tau. Every report (CLI,
 server, benchmark, MLX, training evaluation) folds its steps here. No torch."""
@@ -17,18 +21,19 @@ class SpecStats:
     """vLLM's speculative-decoding counters for one request, or summed over many (`merge`)."""
     num_drafts: int = 0  # verify steps that had proposals
     num_draft_tokens: int = 0  # proposals verified
-    num_accepted_tokens: int = 0  # of which the target accepted
+    num_accepted_tokens: int = 0  # of which the target accepted (recovered and bonus tokens not counted)
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by block position 0..B-2
     num_plain_steps: int = 0  # verify steps without proposals (not counted in tau)
-    num_tokens: int = 0  # tokens committed by the folded steps, every step's
+    num_tokens: int = 0  # tokens committed by the folded steps, every step's (recovered and bonus included)
     num_accepted_tokens_per_source: dict[str, int] = field(default_factory=dict)  # "draft", "suffix", ...
     num_draft_passes: int = 0  # verify steps for which the draft model ran (a tree may skip it)
 
     def add(self, proposed: int, accepted: int, committed: int | None = None, sources=(),
             drafted: bool = False) -> None:
-        """Fold one step: `proposed` proposals verified, `accepted` of them kept, `committed`
-        tokens added (default accepted + 1; less when a stop token or the length cut it);
-        `sources`: per committed proposal, the source(s) that proposed it ("draft+suffix");
+        """Fold one step: `proposed` proposals verified, `accepted` of them accepted, `committed`
+        tokens added (default accepted + 1: the accepted tokens and the recovered or bonus token;
+        less when a stop token or the length cut it);
+        `sources`: per accepted token, the source(s) that proposed it ("draft+suffix");
         `drafted`: whether the draft model ran for it."""
         self.num_tokens += accepted + 1 if committed is None else committed
         self.num_draft_passes += bool(drafted)
@@ -71,7 +76,7 @@ class SpecStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """tau: tokens per verify step with proposals, the target's own token included."""
+        """tau: tokens per verify step with proposals, the recovered or bonus token included."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     tau = mean_acceptance_length

@@ -193,7 +193,7 @@ class TreeBuilder:
 @dataclass(frozen=True)
 class Verdict:
     path: list[int]  # the accepted nodes, root to leaf
-    bonus: int  # the target's own token after them
+    token: int  # the target's token after them: recovered (a child was rejected) or bonus (at a leaf)
 
 
 def walk(tree: TokenTree, logits: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], params: SamplingParams,
@@ -203,8 +203,9 @@ def walk(tree: TokenTree, logits: torch.Tensor | Callable[[torch.Tensor], torch.
     row, then once on the subtree of the root's child that matched, so a rejected first
     token costs one row of the lm_head. At each node the target's token (greedy: argmax;
     sampled: a draw from its temperature/top-k/top-p distribution) picks the child to
-    descend into; the walk stops at the first node without a matching child, and that
-    node's token is the bonus."""
+    descend into; the walk stops at the first node without a matching child, and the
+    target's token there is the verdict's `token`: the recovered token where that node has
+    children (all rejected), the bonus token where it is a leaf (its whole path accepted)."""
     head = logits if callable(logits) else (lambda rows: logits[rows])
     device = tree.tokens.device
     rows = {0: 0}

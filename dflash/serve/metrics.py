@@ -59,7 +59,7 @@ class Metrics:
                                "Per-request generation speed (tokens / generation time)",
                                buckets=SPEED_BUCKETS, registry=r)
         self.tau = Histogram(p + "request_mean_acceptance_length",
-                             "Per-request tau (tokens per verify step, the target's own included)",
+                             "Per-request tau (tokens per verify step, the recovered or bonus token included)",
                              buckets=tuple(range(1, 18)), registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests being generated", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for the model worker", registry=r)

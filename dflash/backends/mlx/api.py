@@ -93,7 +93,7 @@ class DFlashResponse:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """tau so far: tokens per verify step with proposals, the target's own included."""
+        """tau so far: tokens per verify step with proposals, the recovered or bonus token included."""
         return self.stats.mean_acceptance_length
 
 

@@ -34,7 +34,7 @@ from dflash.engine.request import SamplingParams, check_request
 
 class Step(NamedTuple):
     """What one loop step committed (the torch loop's `Step`, as a tuple)."""
-    tokens: list[int]  # the new tokens, in order (accepted proposals, then the target's own)
+    tokens: list[int]  # the new tokens, in order (the accepted ones, then the recovered or bonus token)
     proposed: int  # proposals verified this step (0 for the prefill token and plain steps)
     accepted: int  # of which accepted
     finish_reason: str | None  # "stop", "length" or None while running
@@ -161,7 +161,7 @@ class DraftProposer:
 
 
 def _verdict(block: Proposal, logits: mx.array, params: SamplingParams, keys: Keys) -> tuple[int, int]:
-    """logits: (K+1, V) -> (number of accepted proposals, the target's token after them)."""
+    """logits: (K+1, V) -> (number of accepted proposals, the recovered or bonus token)."""
     if params.greedy:
         return verify_greedy(block.tokens, logits)
     if block.probs is None:

@@ -66,7 +66,7 @@ def accepted_prefix(ok: mx.array) -> int:
 
 def verify_greedy(tokens: mx.array, logits: mx.array) -> tuple[int, int]:
     """tokens: (K,) proposals; logits: (K+1, V) the target's. Returns (accepted, the target's
-    token after them: its correction, or the bonus)."""
+    token after them: the recovered token, or the bonus)."""
     own = mx.argmax(logits, axis=-1)  # (K+1,)
     n = accepted_prefix(tokens == own[:-1])
     return n, int(own[n].item())
