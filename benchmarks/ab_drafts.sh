@@ -3,7 +3,7 @@
 # loads the target once and runs the draft's chain and the default (hybrid) with each draft,
 # beside the target alone, on the same prompts, the method order rotating prompt by prompt, so
 # a drift of this machine's speed during the run falls on both drafts alike (two runs one after
-# the other saw the target 10% slower in the second half: session 17). Both drafts share the
+# the other have seen the target run 10% slower in the second half). Both drafts share the
 # machine's cost model (engine/costmodel.py: measured once per target and draft shape, then
 # cached). Run it with nothing else on the machine. A, B: the two draft folders; OUT: where
 # results.json and results.md go (B's methods are named METHOD@B).

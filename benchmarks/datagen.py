@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/datagen.py [--list data/smollm2-j] [--first-shard 20] [--shards 3]
 
 `batches`: each shard's prompts in batches of one response limit, each batch running until its
-last row ends (the generator before session 16); `stream`: one continuous batch across the
+last row ends (the generator's old schedule); `stream`: one continuous batch across the
 shards, a row that ends taking the next prompt (`generator.generate_stream`). The same prompts,
 batch size, layers and top-k as the list's own run, greedy. Writes
 benchmarks/cpu/datagen.json: the machine, each schedule's wall time and response tokens/s,

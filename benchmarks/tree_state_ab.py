@@ -1,21 +1,20 @@
 """A/B of what the hybrid default learns while it runs (engine TreeState) against an older rule.
 
-`--arm oldcarry`: since session 23 a new request fades the draft's gains by `gain_carry` (0.5)
-and runs the draft on its first step in each offer bucket (`probe_first`); before, the gains
-carried over whole, so a math question after a chat could decode plainly for a dozen steps
-because the chat's draft had not paid. `--arm scaled`: every verify pass is timed (since
-session 28) and the running ratio of timed to modelled kept (`verify_scale`); this arm charges
-verify passes at that scale, as the draft pass is charged at its timed cost, where the default
-weighs the timed draft pass against the cost model's verify figures (session 28's A/B ran
-the scaled rule as the default and this one as an arm `unscaled`: scaled, the hybrid drafted
-more and ran no faster, so the default stayed unscaled). This runs,
+`--arm oldcarry`: the default fades the draft's carried gains by `gain_carry` (0.5) at each new
+request and runs the draft on its first step in each offer bucket (`probe_first`); the old rule
+carried the gains over whole, so a math question after a chat could decode plainly for a dozen
+steps because the chat's draft had not paid. `--arm scaled`: every verify pass is timed and the
+running ratio of timed to modelled kept (`verify_scale`); this arm charges verify passes at that
+scale, as the draft pass is charged at its timed cost, where the default weighs the timed draft
+pass against the cost model's verify figures (on the AMD EPYC, 2026-12-07, the scaled hybrid
+drafted more and ran no faster: benchmarks/cpu/2026-12-07-amd-epyc-avx2-h22/). This runs,
 interleaved prompt by prompt on one loaded pipeline and one cost model: the target alone (HF
 generate), the draft's chain, the hybrid default (`hybrid-b16`) and the hybrid under the other
 rule (`hybrid-b16-ARM`), then writes the bench's tables (the prompt sets rotate, so every
 request follows one of another set) and what each hybrid's TreeState learned.
 
-    .venv/bin/python benchmarks/tree_state_ab.py --arm oldcarry --limit 5 --max-new-tokens 256 \\
-        --output benchmarks/cpu/session23/results.json --markdown benchmarks/cpu/session23/results.md
+    .venv/bin/python benchmarks/tree_state_ab.py --arm scaled --limit 5 --max-new-tokens 256 \\
+        --output out/results.json --markdown out/results.md
 """
 
 from __future__ import annotations
