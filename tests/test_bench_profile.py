@@ -29,6 +29,29 @@ class TickClock:
         return self.now
 
 
+class HeadRowClock:
+    """A fake clock that reads one millisecond per lm_head row computed so far, through `watch`:
+    a span's time is the head rows inside it, so a cost curve is exact on any CPU."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def __call__(self):
+        return self.rows * 1e-3
+
+    def watch(self, target):
+        clock = self
+
+        class Watched:  # the target, its `logits` counting rows (nothing patched on the target)
+            def __getattr__(self, name):
+                return getattr(target, name)
+
+            def logits(self, hidden):
+                clock.rows += hidden.shape[1]
+                return target.logits(hidden)
+        return Watched()
+
+
 def test_step_parts_are_the_timer_spans_a_fake_clock_measures(models):
     """Each span reads the clock twice (one tick inside it), so a part's time per step is the
     number of its spans in ms; the step's own time is every reading between two yields."""
@@ -63,18 +86,22 @@ def test_overhead_curves_ops_and_report(models, tmp_path):
     ids = torch.tensor([[3, 5, 7, 9, 11]])
     o = bp.overhead_ratio(bp.random_like(draft), target, ids, 8, 12, rounds=1)
     assert o["ratio"] > 0 and o["bare_forward_ratio"] > 0 and o["block_size"] == 8
-    curve = bp.target_cost_curve(target, (1, 4, 8), (16, 32), repeats=1)
+    heads = HeadRowClock()
+    curve = bp.target_cost_curve(heads.watch(target), (1, 4, 8), (16, 32), repeats=1, clock=heads)
     assert curve["ns"] == [1, 4, 8] and [r["context"] for r in curve["rows"]] == [16, 32]
-    assert all(len(r["ms"]) == 3 and min(r["ms"]) > 0 for r in curve["rows"])
-    assert all(r["rest_head_ms"][0] == 0 or r["rest_head_ms"][0] < 1e-2 for r in curve["rows"])  # n=1: no rows left
+    # `ms`: the layers and row 0's head (one row); `rest_head_ms`: the other n - 1 rows (n=1: none left)
+    assert all(r["ms"] == [1.0, 1.0, 1.0] and r["rest_head_ms"] == [0.0, 3.0, 7.0] for r in curve["rows"])
+    real = bp.target_cost_curve(target, (1, 4), (16,), repeats=1)  # the real clock runs too
+    assert len(real["rows"][0]["ms"]) == 2 and min(real["rows"][0]["ms"]) > 0
     d = bp.draft_cost_curve(draft, target, (2, 4, 8), context=16, repeats=1)
     assert len(d["ms"]) == 3 and d["draft_layers"] == 2 and min(d["ms"]) > 0
     h = bp.head_cost(target, 7, (None, 32), repeats=1)
     assert h["vocab"] == [96, 32]
     ops = bp.decode_op_profile(target, context=16, steps=2)
     assert ops["ops"] and ops["groups_ms"]["matmul"] > 0 and ops["ops_per_step"] > 10
-    cm = bp.cost_model_summary(target, draft, blocks=(2, 4))
-    assert len(cm["break_even_tau"]) == 2 and all(t > 1 for t in cm["break_even_tau"])
+    cm = bp.cost_model_summary(target, draft, clock=TickClock(), blocks=(2, 4))
+    # every timed span is one tick: (draft + verify(B) + rest of the head) / verify(1) = 3 for each B
+    assert cm["blocks"] == [2, 4] and cm["break_even_tau"] == [3.0, 3.0] and cm["verify_ratio"] == [1.0, 1.0]
     by = {"torch": {"kernels": target.kernel_info(), "overhead": o, "decode_ops": ops, "target_curve": curve,
                     "cost_model": cm}}
     result = {"machine": {"cpu": "Fake CPU", "cpus": 2, "threads": 1, "load_average": [1.0, 1.0, 1.0],
