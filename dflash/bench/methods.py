@@ -43,6 +43,10 @@ class Settings:
     cost_source: Callable | None = None  # pipeline -> its CostModel (sizes trees); None: measured and cached
     compare_drafts: tuple[str, ...] = ()  # also every draft method with each of these draft checkpoints
     compare_kernels: tuple[str, ...] = ()  # also every draft method with each of these kernel settings
+    llamacpp: bool = False  # also llama.cpp's methods (bench/llamacpp.py)
+    llamacpp_target: str | None = None  # the target's GGUF for them (default: the default target's)
+    llamacpp_draft_max: int | None = None  # llama.cpp's --spec-draft-n-max (default: block size - 1)
+    llamacpp_threads: int = 2
     notes: list[str] = field(default_factory=list)  # lines for the user (e.g. what was skipped)
 
     def __post_init__(self):
@@ -294,6 +298,14 @@ def _vllm_methods(settings: Settings):
     return bench_methods(settings)
 
 
+def _llamacpp_methods(settings: Settings):
+    """llama.cpp's plain decoding, its n-gram proposer and our draft in it, through llama-server
+    (bench/llamacpp.py); opt-in, since llama-server is built once per machine."""
+    from dflash.bench.llamacpp import bench_methods
+
+    return bench_methods(settings)
+
+
 # every provider, in the order their methods are listed (the baseline's first)
 PROVIDERS: tuple[Callable[[Settings], list[tuple[str, Method]]], ...] = (
-    _hf_methods, _loop_methods, _compared_methods, _vllm_methods)
+    _hf_methods, _loop_methods, _compared_methods, _vllm_methods, _llamacpp_methods)

@@ -76,12 +76,15 @@ def run_bench(pipe, prompts, methods, max_new_tokens: int, on_record=None, warmu
 
 
 def check_equal(records: list[Record], baseline: str = BASELINE) -> list[Mismatch]:
-    """Every method's output against the baseline's on the same prompt."""
-    base = {(r.dataset, r.prompt_id): r.output_ids for r in records if r.method == baseline}
+    """Every method's output against its reference's on the same prompt: the baseline's, or
+    the method named by `extra["exact_against"]` (an engine with its own target, e.g. llama.cpp's
+    GGUF, is exact against its own plain decoding)."""
+    outputs = {(r.method, r.dataset, r.prompt_id): r.output_ids for r in records}
     out = []
     for r in records:
-        ref = base.get((r.dataset, r.prompt_id))
-        if r.method == baseline or ref is None:
+        reference = (r.extra or {}).get("exact_against", baseline)
+        ref = outputs.get((reference, r.dataset, r.prompt_id))
+        if r.method == reference or ref is None:
             continue
         i = first_mismatch(ref, r.output_ids)
         if i is not None:
@@ -156,7 +159,10 @@ def run_bench_command(args) -> int:
                         proposers=tuple(args.proposers), adaptive=args.adaptive,
                         plain_vocab=getattr(args, "plain_vocab", False),
                         compare_drafts=tuple(getattr(args, "compare_draft", ())),
-                        compare_kernels=tuple(getattr(args, "compare_kernels", ())))
+                        compare_kernels=tuple(getattr(args, "compare_kernels", ())),
+                        llamacpp=getattr(args, "llamacpp", False), llamacpp_target=getattr(args, "llamacpp_target", None),
+                        llamacpp_draft_max=getattr(args, "llamacpp_draft_max", None),
+                        llamacpp_threads=getattr(args, "threads", None) or 2)
     methods = build_methods(settings)
     for note in settings.notes:
         console.print(note, style="yellow", markup=False)

@@ -160,8 +160,16 @@ def summarize(records: list[Record], dataset: str, method: str, baseline: str, b
                    median([r.tokens_per_s for r in rs]), _ms(median([r.time_to_first_token for r in rs])),
                    speedup, median(list(ratios.values())), max((r.peak_memory_mb for r in rs), default=None),
                    verified, share, _median_speedup(rs, loop) if method != baseline else None,
-                   sum(lengths) / len(steps) if steps else None,
+                   sum(lengths) / len(steps) if steps else _reported_tokens_per_pass(rs),
                    stats.num_plain_steps / len(steps) if steps else None, drafted if counted else None)
+
+
+def _reported_tokens_per_pass(rs: list[Record]) -> float | None:
+    """Tokens per target pass after the prefill from an engine's own counters
+    (`extra["target_passes"]`, e.g. llama.cpp's timings), when it reports no steps."""
+    counted = [r for r in rs if (r.extra or {}).get("target_passes")]
+    passes = sum(r.extra["target_passes"] for r in counted)
+    return sum(r.num_output_tokens - 1 for r in counted) / passes if passes else None
 
 
 def _ms(seconds):

@@ -36,6 +36,13 @@ def add_bench(sub) -> None:
     p.add_argument("--compare-kernels", nargs="+", default=[], choices=KERNEL_MODES, metavar="MODE",
                    help="also run every method that uses the draft with these --kernels settings (named "
                    "METHOD@kernels=MODE), interleaved prompt by prompt on the same model")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also llama.cpp through llama-server: plain, its n-gram proposer, our draft, both "
+                   "(builds llama-server once per machine; docs/LLAMACPP.md)")
+    p.add_argument("--llamacpp-target", metavar="FILE.gguf", default=None,
+                   help="the target's GGUF for the llama.cpp methods (default: the default target's)")
+    p.add_argument("--llamacpp-draft-max", type=int, default=None, metavar="N",
+                   help="llama.cpp's --spec-draft-n-max for our draft (default: block size - 1)")
     p.add_argument("--no-loop-baseline", action="store_true", help="leave out our loop at block size 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, metavar="S",

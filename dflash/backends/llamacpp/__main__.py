@@ -1,0 +1,5 @@
+import sys
+
+from dflash.backends.llamacpp.build import main
+
+sys.exit(main())
