@@ -171,8 +171,8 @@ def test_llama_server_runs_our_draft_losslessly():
                "How many clips did Natalia sell altogether in April and May? Think step by step.",
                "Write a Python function that returns the n-th Fibonacci number.",
                "Give three tips for staying healthy."]
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    ids = [list(i["input_ids"]) if isinstance(i, dict) else list(i) for i in ids]
+    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]) for p in prompts]
     draft_gguf = export_gguf(SHIPPED_DRAFT, server.parent / "test-draft.gguf", target_gguf, force=True).path
     with LlamaServer(target_gguf, binary=server) as plain:
         want = [plain.complete(p, 96) for p in ids]
