@@ -51,6 +51,13 @@ class TargetInfo:
 
 def check_pair(config, info: TargetInfo) -> None:
     """Raise IncompatibleDraftError naming every mismatch between a draft config and a target."""
+    problems = pair_problems(config, info)
+    if problems:
+        raise IncompatibleDraftError("draft does not fit this target: " + "; ".join(problems))
+
+
+def pair_problems(config, info: TargetInfo) -> list[str]:
+    """Every mismatch between a draft config and a target, named (empty when they fit)."""
     problems = []
     if config.hidden_size != info.hidden_size:
         problems.append(f"draft hidden_size {config.hidden_size} != target hidden_size {info.hidden_size}")
@@ -63,8 +70,7 @@ def check_pair(config, info: TargetInfo) -> None:
         problems.append(f"mask_token_id {config.mask_token_id} outside the target vocabulary of {info.vocab_size}")
     if config.num_target_layers != info.num_layers:
         problems.append(f"draft was built for a {config.num_target_layers}-layer target, this one has {info.num_layers}")
-    if problems:
-        raise IncompatibleDraftError("draft does not fit this target: " + "; ".join(problems))
+    return problems
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import torch
 from dflash.engine.config import DFlashConfig
 from dflash.engine.draft import DFlashDraftModel, find_draft_folder
 from dflash.engine.io import atomic_file
+from dflash.engine.request import TargetInfo, pair_problems
 
 ARCH = "dflash"
 DTYPES = ("float16", "bfloat16", "float32")
@@ -110,17 +111,9 @@ def _scalar(reader, key: str):
 
 def gguf_problems(config: DFlashConfig, target: TargetGGUF) -> tuple[list[str], list[str]]:
     """(errors, warnings) for running this draft with llama.cpp's `draft-dflash` on `target`."""
-    errors, warnings = [], []
-    if config.hidden_size != target.hidden_size:
-        errors.append(f"draft hidden_size {config.hidden_size} != the target's {target.hidden_size} "
-                      f"({target.path.name})")
-    if config.vocab_size != target.vocab_size:
-        errors.append(f"draft vocab_size {config.vocab_size} != the target's {target.vocab_size} ({target.path.name})")
-    bad = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
-    if bad:
-        errors.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
-    if not 0 <= config.mask_token_id < target.vocab_size:
-        errors.append(f"mask_token_id {config.mask_token_id} outside the target vocabulary of {target.vocab_size}")
+    info = TargetInfo(target.num_layers, target.hidden_size, target.vocab_size, config.max_position_embeddings,
+                      target.architecture)
+    errors, warnings = [f"{p} ({target.path.name})" for p in pair_problems(config, info)], []
     if config.attention_bias:
         errors.append("attention_bias: llama.cpp's DFlash layers have no q/k/v/o biases")
     if config.rope_scaling and config.rope_scaling.get("rope_type", config.rope_scaling.get("type")) not in (None, "default"):
