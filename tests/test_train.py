@@ -799,3 +799,54 @@ def test_the_committed_prompt_lists_hold_no_evaluation_prompt():
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         assert rows, path
         check_no_leaks(rows)  # raises DataError naming the leaked ids
+
+
+def test_a_base_model_without_a_chat_template_reads_its_prompts_as_plain_text_with_bos():
+    """A base target (Gemma-3-270M's GGUF has no chat template): training data, the tau
+    evaluation and generation all read the message contents joined by newlines, with the
+    tokenizer's own special tokens (its <bos>), one rule for all three."""
+    from tokenizers import processors
+
+    from dflash.testing import tiny_pipeline
+    from dflash.text import prompts as P
+    from dflash.train.data import DataConfig, encode_prompts
+
+    pipe = tiny_pipeline()
+    tok = pipe.tokenizer
+    tok.chat_template = None
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    messages = [{"role": "user", "content": "add 2 and 3"}, {"role": "user", "content": "then double it"}]
+    want = tok("add 2 and 3\nthen double it").input_ids
+    assert want[0] == bos and want[1:] == tok("add 2 and 3\nthen double it", add_special_tokens=False).input_ids
+    (_, ids), = encode_prompts(tok, [{"id": "m/1", "dataset": "math", "content": "x", "messages": messages}],
+                               DataConfig())
+    assert ids == want
+    assert P.Prompt(id="m/1", dataset="math", messages=messages).ids(tok) == want
+    assert pipe.encode_chat(messages)[0].tolist() == want
+
+
+def test_layer_ids_past_the_targets_depth_are_refused_by_name():
+    from dflash.train.data import check_layer_ids
+
+    check_layer_ids([1, 4, 8, 11, 15], 18)
+    with pytest.raises(DataError, match=r"has 18 layers \(0-17\).*from layer 1 to 15"):
+        check_layer_ids([1, 8, 14, 20, 27], 18)  # the SmolLM2 default on Gemma-3-270M
+
+
+def test_features_past_fp16s_range_are_clamped_when_stored_and_when_read():
+    """Gemma 3's residual stream reaches ~1e5 at <bos>: a plain fp16 cast stored inf and every
+    loss of Gemma-3-270M's first run was NaN. Stored features are clamped to fp16's finite range,
+    and shards written before that (with inf) train to a finite loss."""
+    from dflash.train.generator import FP16_MAX, fp16_features
+
+    x = fp16_features(torch.tensor([1e5, -3e5, 1.5]))
+    assert x.dtype == torch.float16 and x.tolist() == [FP16_MAX, -FP16_MAX, 1.5]
+    target = tiny_target("llama")
+    seqs = make_seqs(target)
+    for s in seqs:
+        s.features = s.features.copy()
+        s.features[0, :3] = np.inf  # the <bos> row of a shard written with a plain cast
+    rec = Trainer(fit_cfg(max_steps=2), target, seqs, MASK, LAYERS).train_step()
+    assert math.isfinite(rec["loss"])

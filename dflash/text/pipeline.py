@@ -187,13 +187,12 @@ class Pipeline:
         return stop_token_ids(self.tokenizer)
 
     def encode_chat(self, messages: list[dict]) -> torch.Tensor:
-        """Chat messages through the target's chat template -> (1, T)."""
+        """Chat messages as the target reads them (`prompts.chat_ids`: its chat template, or plain text) -> (1, T)."""
         if not messages:
             raise ValueError("the message list is empty")
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self.encode_text(text, special=False)
-        return self.encode_text("\n".join(m["content"] for m in messages))
+        from dflash.text.prompts import chat_ids
+
+        return torch.tensor([chat_ids(self.tokenizer, messages)], device=self.target.device)
 
     def encode_text(self, text: str, special: bool = True) -> torch.Tensor:
         ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids

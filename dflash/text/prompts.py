@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Sequence, Union
 
 __all__ = [
     "Prompt",
+    "chat_ids",
     "PromptFileError",
     "DatasetError",
     "EVAL_MATH_SEEDS",
@@ -119,6 +120,23 @@ class Prompt:
         return tokenizer.apply_chat_template(
             self.messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    def ids(self, tokenizer) -> list[int]:
+        """The token ids a target reads: ``text`` as it is, or ``messages`` by :func:`chat_ids`."""
+        if self.text is not None:
+            return tokenizer(self.text, add_special_tokens=False).input_ids
+        return chat_ids(tokenizer, self.messages)
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat `messages` as the target reads them, in training data, evaluation and generation
+    alike: through its chat template (which writes its own special tokens), or, for a base model
+    without one, the contents joined by newlines with the tokenizer's own special tokens (Gemma's
+    <bos>: without it the model's output degrades)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer("\n".join(str(m.get("content", "")) for m in messages)).input_ids
 
 
 def _user(content: str) -> list[dict]:

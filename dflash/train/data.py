@@ -26,7 +26,7 @@ import torch
 
 from dflash.engine.io import atomic_file, atomic_write_text
 from dflash.train.config import DataConfig
-from dflash.train.generator import Generated, Request, SoftLabels, generate_stream
+from dflash.train.generator import Generated, Request, SoftLabels, fp16_features, generate_stream
 
 
 class DataError(RuntimeError):
@@ -242,6 +242,7 @@ def run_data(cfg: DataConfig, log=print) -> Path:
     from dflash.text.assets import load_target
 
     model, tok = load_target(cfg.target)
+    check_layer_ids(cfg.layer_ids, model.config.get_text_config().num_hidden_layers)
     model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = load_or_build_prompts(cfg, out)
     stop_ids = data_stop_ids(tok)
@@ -266,6 +267,14 @@ def run_data(cfg: DataConfig, log=print) -> Path:
             f"{new_tokens} new tokens  {rate:.1f} tok/s  cpu {time.process_time() - cpu0:.0f}s  "
             f"elapsed {_eta(el)}  ETA {_eta(el / (j + 1) * (len(todo) - j - 1))}")
     return out
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    """The default layers are SmolLM2-135M's (30 layers): a target with fewer needs its own."""
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise DataError(f"--layer-ids {layer_ids}: the target has {num_layers} layers (0-{num_layers - 1}); pass "
+                        f"--layer-ids with its own, e.g. 5 spread from layer 1 to {num_layers - 3}")
 
 
 def max_new_tokens(cfg: DataConfig, dataset: str) -> int:
@@ -304,11 +313,13 @@ def _shards(model, tok, rows, todo, cfg, stop_ids, pad, gen):
 
 
 def encode_prompts(tok, chunk: list[dict], cfg) -> list[tuple[dict, list[int]]]:
-    """Each prompt of a shard with its chat-templated tokens, those over max_prompt_tokens left out."""
+    """Each prompt of a shard with its tokens (chat-templated where the target has a template),
+    those over max_prompt_tokens left out."""
+    from dflash.text.prompts import chat_ids
+
     enc = []
     for r in chunk:
-        ids = tok.apply_chat_template(chat_of(r), tokenize=False, add_generation_prompt=True)
-        ids = tok(ids, add_special_tokens=False).input_ids
+        ids = chat_ids(tok, chat_of(r))  # a base model without a chat template: the plain text
         if len(ids) <= cfg.max_prompt_tokens:
             enc.append((r, ids))
     return enc
@@ -447,7 +458,7 @@ def _prefill(model, tok, batch, cfg, stop_ids, pad, limit):
         m[i, : len(p) + len(q)] = 1
     dev = model.get_input_embeddings().weight.device
     out = model(input_ids=x.to(dev), attention_mask=m.to(dev), output_hidden_states=True, use_cache=False)
-    feats = torch.cat([out.hidden_states[i + 1] for i in cfg.layer_ids], dim=-1).half().cpu()  # (B, T, k*H)
+    feats = fp16_features(torch.cat([out.hidden_states[i + 1] for i in cfg.layer_ids], dim=-1)).cpu()  # (B, T, k*H)
     pred = out.logits.argmax(-1)  # (B, T): the target's token after each position
     res = []
     for i, (p, q) in enumerate(seqs):

@@ -91,7 +91,7 @@ class Evaluator:
         for domain, prompts in self._eval_prompts().items():
             stats = SpecStats()
             for p in prompts:
-                ids = tok(p.render(tok), add_special_tokens=False, return_tensors="pt").input_ids.to(t.device)
+                ids = torch.tensor([p.ids(tok)], device=t.device)  # no chat template: the plain text
                 r = dflash_generate(t.draft, t.target, ids, t.cfg.eval_tau_tokens, stop, 0.0, return_stats=True)
                 stats = stats.merge(r.stats)
             out[f"tau_{domain}"] = stats.mean_acceptance_length  # the one tau (engine/stats.py)

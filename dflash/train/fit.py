@@ -34,6 +34,7 @@ from dflash.train.blocks import (
 )
 from dflash.train.config import FitConfig
 from dflash.train.data import Sequence
+from dflash.train.generator import FP16_MAX
 
 
 def _rank_world() -> tuple[int, int]:
@@ -130,7 +131,9 @@ class Trainer:
         for i in indices:
             s = seqs[i]
             n = min(len(s.tokens), self.cfg.max_seq_len)
-            feats = torch.from_numpy(s.features[: n - 1].astype("float32"))  # (n-1, kH)
+            # clamped: shards written before features were clamped hold inf where the target's
+            # activations pass fp16's range (Gemma 3's <bos>)
+            feats = torch.from_numpy(s.features[: n - 1].astype("float32")).clamp_(-FP16_MAX, FP16_MAX)  # (n-1, kH)
             items.append((s.tokens[:n], feats, self._anchors(epoch, i, s), s.labels[:n],
                           (s.prompt_len, s.soft) if soft else None))
         return build_batch(items, self.cfg.block_size, self.draft.config.mask_token_id, self.cfg.gamma).to(self.device)

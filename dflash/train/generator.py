@@ -15,6 +15,15 @@ import torch
 from dflash.engine import static_decoder
 
 
+FP16_MAX = 65504.0
+
+
+def fp16_features(x: torch.Tensor) -> torch.Tensor:
+    """Target features as stored (fp16), clamped to fp16's finite range: Gemma 3's residual stream
+    reaches ~1e5 at <bos>, which a plain cast turns into inf and training into NaN."""
+    return x.clamp(-FP16_MAX, FP16_MAX).half()
+
+
 @dataclass
 class Generated:
     prompt_ids: list[int]
@@ -192,12 +201,12 @@ class _Rows:
     def begin(self, i: int, req: Request, feats: torch.Tensor) -> None:
         n = len(req.prompt)
         self.req[i], self.live[i], self.count[i], self.limit[i] = req, True, 0, req.max_new_tokens
-        self.feats[i, :n], self.fill[i], self.pos[i] = feats.half(), n, n
+        self.feats[i, :n], self.fill[i], self.pos[i] = fp16_features(feats), n, n
 
     def capture(self, feats: torch.Tensor) -> None:
         """feats (A, 1, k*H): the step's features of the live rows' fed tokens."""
         idx = self.live.nonzero()[:, 0]  # (R,)
-        self.feats[idx, self.fill[idx]] = feats[idx, 0].half()
+        self.feats[idx, self.fill[idx]] = fp16_features(feats[idx, 0])
         self.fill[idx] += 1
         self.pos[idx] += 1
 
@@ -371,7 +380,7 @@ def prefill_features(model, sequences: list[list[int]], layer_ids: list[int], st
                         logits_to_keep=ids.shape[1] - start)
             f = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (1, n, k*H)
             logits = out.logits[0]  # (R, V)
-        feats.append(f[0].half().cpu())
+        feats.append(fp16_features(f[0]).cpu())
         if topk > 0:
             softs.append(SoftLabels.from_logits(logits, topk))
     return feats, softs
