@@ -182,3 +182,16 @@ def test_llama_server_runs_our_draft_losslessly():
         assert g.tokens == w.tokens and len(w.tokens) > 16
     assert sum(g.accepted for g in got) > 0
     assert got[0].tokens_per_pass > 1.5, got[0].timings  # the math prompt
+
+
+def test_bench_llamacpp_methods_are_opt_in_and_say_why_they_are_missing(monkeypatch, tmp_path):
+    from dflash.bench.llamacpp import METHODS, bench_methods
+    from dflash.bench.methods import Settings
+
+    monkeypatch.delenv("DFLASH_BENCH_LLAMACPP", raising=False)
+    off = Settings()
+    assert bench_methods(off) == [] and any("--llamacpp" in n for n in off.notes)
+    monkeypatch.setenv("DFLASH_LLAMA_SERVER", str(tmp_path / "no-such-binary"))
+    missing = Settings(llamacpp=True)
+    assert bench_methods(missing) == [] and any("skipped" in n for n in missing.notes)
+    assert list(METHODS) == ["llamacpp", "llamacpp-ngram", "llamacpp-dflash", "llamacpp-dflash+ngram"]

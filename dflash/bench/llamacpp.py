@@ -71,9 +71,14 @@ class ServerPool:
         return self.servers[name]
 
     def close(self) -> None:
+        import shutil
+
         for srv in self.servers.values():
             srv.stop()
         self.servers.clear()
+        for path in self.drafts.values():
+            shutil.rmtree(path.parent, ignore_errors=True)
+        self.drafts.clear()
 
 
 METHODS = {  # name -> (speculative types, runs our draft)
