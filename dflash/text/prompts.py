@@ -134,9 +134,10 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     without one, the contents joined by newlines with the tokenizer's own special tokens (Gemma's
     <bos>: without it the model's output degrades)."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer("\n".join(str(m.get("content", "")) for m in messages)).input_ids
+        text, special = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    else:
+        text, special = "\n".join(str(m.get("content", "")) for m in messages), True
+    return tokenizer(text, return_tensors="pt", add_special_tokens=special).input_ids[0].tolist()
 
 
 def _user(content: str) -> list[dict]:
