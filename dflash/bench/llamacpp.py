@@ -40,13 +40,10 @@ class ServerPool:
         atexit.register(self.close)
 
     def target_for(self, pipe) -> str:
-        if self.target_gguf:
-            return self.target_gguf
-        from dflash.text.assets import DEFAULT_TARGET, find_smollm2_gguf
+        """--llamacpp-target, else the default target's GGUF when the draft is for that target."""
+        from dflash.backends.llamacpp.export import default_target_gguf
 
-        if Path(getattr(pipe.target.model.config, "_name_or_path", "")).name != DEFAULT_TARGET:
-            raise RuntimeError("llama.cpp methods need the target's GGUF: give --llamacpp-target TARGET.gguf")
-        return str(find_smollm2_gguf())
+        return self.target_gguf or str(default_target_gguf(pipe.draft.config))
 
     def draft_for(self, pipe) -> Path:
         """The pipeline's draft exported to a GGUF in a temporary folder (once per pipeline)."""

@@ -82,19 +82,19 @@ def _draft_path(draft: str) -> str:
 
 
 def _run_gguf_export(args) -> int:
-    from dflash.backends.llamacpp.export import GGUFExportError, export_gguf, llama_server_command
+    from dflash.backends.llamacpp.export import GGUFExportError, default_target_gguf, export_gguf, llama_server_command
     from dflash.engine.config import DFlashConfig
     from dflash.engine.draft import find_draft_folder
     from dflash.engine.errors import CheckpointError
 
     try:
         folder = find_draft_folder(_draft_path(args.draft))
-        target = args.target or _default_target_gguf(DFlashConfig.from_json(folder / "config.json"))
+        cfg = DFlashConfig.from_json(folder / "config.json")
+        target = args.target or default_target_gguf(cfg)
         report = export_gguf(folder, args.output, target, args.dtype or "float16", force=args.force)
     except (GGUFExportError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}{'' if args.target else ' (--target TARGET.gguf)'}", file=sys.stderr)
         return 2
-    cfg = DFlashConfig.from_json(folder / "config.json")
     cmd = llama_server_command(report.target, Path(args.output).resolve(), cfg.block_size)
     if args.json:
         print(json.dumps({**report.to_dict(), "commands": {"llama_server": cmd}}))
@@ -105,19 +105,3 @@ def _run_gguf_export(args) -> int:
           f"{report.dtype}; tokenizer of {report.target})")
     print("run it with:\n  " + cmd)
     return 0
-
-
-def _default_target_gguf(config) -> str:
-    """The default target's GGUF, for a draft of that target; otherwise --target is needed."""
-    from dflash.backends.llamacpp.export import GGUFExportError, TargetGGUF
-    from dflash.text.assets import AssetError, find_smollm2_gguf
-
-    try:
-        path = find_smollm2_gguf()
-    except AssetError as e:
-        raise GGUFExportError(f"{e}; or give --target TARGET.gguf") from None
-    target = TargetGGUF.read(path)
-    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
-        raise GGUFExportError("the draft is not for the default target (SmolLM2-135M-Instruct): give --target "
-                              "TARGET.gguf, the target's GGUF that llama-server runs")
-    return str(path)

