@@ -117,6 +117,7 @@ class Projections(NamedTuple):
     mlp: Callable  # h -> down(act(gate(h)) * up(h))
     norm1: Callable  # the layer's input RMSNorm
     norm2: Callable  # its post-attention RMSNorm
+    attend: Callable | None = None  # (q (T, NH, D), keys, values (KV, S, D), past, tree) -> (T, NH, D); None: SDPA
 
 
 # RMSNorms whose forward is Llama's (x * rsqrt(mean(x^2) + eps), times the weight): in fp32,

@@ -114,7 +114,7 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     for i, layer in enumerate(base.layers):
         p = projs[i] if projs is not None else None
         h = layer.input_layernorm(x) if p is None else p.norm1(x)
-        x = x + _attention(layer.self_attn, h, cos, sin, mask, kv, i, p)
+        x = x + _attention(layer.self_attn, h, cos, sin, mask, kv, i, p, tree_mask)
         h = layer.post_attention_layernorm(x) if p is None else p.norm2(x)
         x = x + (layer.mlp(h) if p is None else p.mlp(h))
         if i in layer_ids:
@@ -147,8 +147,10 @@ def _mask(t: int, past: int, key_valid, device, tree=None):
     return mask
 
 
-def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int, proj=None):
+def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int, proj=None, tree=None):
     b, t, _ = h.shape
+    if proj is not None and proj.attend is not None:
+        return _own_attention(attn, h, cos, sin, kv, layer, proj, tree)
     shape = (b, t, -1, attn.head_dim)
     if proj is None:
         q, k, v, o_proj = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), attn.o_proj
@@ -172,6 +174,27 @@ def _attention(attn, h, cos, sin, mask, kv: KVBuffer, layer: int, proj=None):
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
                                            enable_gqa=heads != groups)  # (B, NH, T, D)
     return o_proj(o.transpose(1, 2).reshape(b, t, -1))  # (B, T, H)
+
+
+def _own_attention(attn, h, cos, sin, kv: KVBuffer, layer: int, proj, tree):
+    """One sequence's attention on the adapter's own kernel (`proj.attend`): each new row over
+    the cached slots and the new slots `tree` (T, T) lets it see (None: causal), in slot order."""
+    b, t, _ = h.shape
+    if b != 1:
+        raise ValueError("the engine's own attention runs one sequence")
+    q, k, v = proj.qkv(h)
+    q = q.view(t, -1, attn.head_dim)  # (T, NH, D)
+    k = k.view(t, -1, attn.head_dim).transpose(0, 1)  # (KV, T, D)
+    v = v.view(t, -1, attn.head_dim).transpose(0, 1)  # (KV, T, D)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    c, s = cos[0, 0], sin[0, 0]  # (T, D)
+    q = q * c[:, None] + _rotate_half(q) * s[:, None]
+    k = k * c + _rotate_half(k) * s
+    past = kv.length
+    kv.write(layer, k[None], v[None])
+    o = proj.attend(q, kv.k[layer, 0], kv.v[layer, 0], past, tree)  # (T, NH, D)
+    return proj.o(o.reshape(1, t, -1))  # (1, T, H)
 
 
 def _rotate_half(x):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash.engine import kernels as kernel_choice
+from dflash.engine import precision as precisions
 from dflash.engine import projections
 from dflash.engine import static_decoder
 from dflash.engine.cache import StaticTargetCache, TargetCache
@@ -25,7 +27,8 @@ class TargetModel:
     that return logits plus the chosen layers' hidden states, on a cache that rolls back."""
 
     def __init__(self, model: nn.Module, static: bool | None = None, kernels: str = "auto",
-                 time_fn: kernel_choice.TimeFn | None = None, stacking: bool = True):
+                 time_fn: kernel_choice.TimeFn | None = None, stacking: bool = True,
+                 precision: str = "auto", gguf: str | Path | None = None):
         """`static`: run Llama-family targets through `static_decoder` on a preallocated KV
         buffer (same numbers, less per-step work); None = whenever the model supports it.
         `kernels`: "auto" times the matrix-product candidates of every linear shape and of the
@@ -38,7 +41,10 @@ class TargetModel:
         weights' precision; "torch" runs the model's own modules, HF's numbers exactly.
         `time_fn`: the kernel timer (tests pass fake timings; nothing is cached then).
         `stacking`: a layer's q/k/v (and gate/up) may run as one product on their weights
-        stacked where that measures faster (engine/projections.py; False: never, for A/B runs)."""
+        stacked where that measures faster (engine/projections.py; False: never, for A/B runs).
+        `precision`: the numbers the target's step computes (engine/precision.py): "fp32" (HF's,
+        on the kernels above), "bf16", "int8", "int4", or "auto", the precision the weights ship
+        in: `gguf`'s own blocks when the model was loaded from that GGUF, else the model's dtype."""
         if kernels not in kernel_choice.MODES:
             raise ValueError(f"kernels must be one of {kernel_choice.MODES}, got {kernels!r}")
         if isinstance(model, TargetModel):
@@ -65,6 +71,11 @@ class TargetModel:
             max_positions=getattr(tc, "max_position_embeddings", None) or 1 << 30,
             model_type=getattr(tc, "model_type", "?"),
         )
+        self.precision = precisions.resolve(precision, model, Path(gguf) if gguf is not None else None)
+        precisions.check(self.precision, model, self.static)
+        self.layout: precisions.PrecisionLayout | None = None  # the decoder and lm_head below fp32
+        if self.precision != "fp32":
+            self.layout = precisions.PrecisionLayout(model, self.precision, Path(gguf) if gguf is not None else None)
         self._build_kernels(kernels, time_fn, stacking)
 
     def _build_kernels(self, kernels: str, time_fn, stacking: bool = True) -> None:
@@ -79,9 +90,13 @@ class TargetModel:
         # them again): ids -> (rows, their Linear or None), the last HEAD_ROWS_KEPT vocabularies
         self._rows: dict[tuple[int, ...], tuple[torch.Tensor, kernel_choice.Linear | None]] = {}
         self._drafts: dict[int, tuple] = {}  # id(draft) -> (weakref to it, its weights' version, its DraftLayout)
+        if self.layout is not None:  # the decoder and the head run the precision's layout
+            self.linears, self._head = self.layout, self.layout.head
         if self.kernels == "torch":
             return
         self.kernel_table = kernel_choice.KernelTable(time_fn, approximate=self.kernels == "auto", stacking=stacking)
+        if self.layout is not None:
+            return  # the table serves the draft's linears and head rows
         if self.static and projections.supports_mlp(self.model):
             self.linears = projections.DecoderLinears(self.model, self.kernel_table)
         if isinstance(self.head, nn.Linear):
@@ -92,13 +107,20 @@ class TargetModel:
         """The kernel table for reports: mode, and per weight shape its roles, the kernel per
         bucket, the measured times, and the MB the adapter's copies cost."""
         if self.kernel_table is None:
-            return {"mode": self.kernels}
-        counts = dict(self.linears.counts) if self.linears is not None else {}
+            return {"mode": self.kernels, "precision": self.precision_info()}
+        counts = dict(self.linears.counts) if isinstance(self.linears, projections.DecoderLinears) else {}
         drafts = [lin for ref, _, layout in self._drafts.values() if ref() is not None for lin in layout.linears]
         for lin in [self._head] + [lin for _, lin in self._rows.values()] + drafts:
             if lin is not None:
                 counts[lin.key] = counts.get(lin.key, 0) + 1
-        return self.kernel_table.to_dict(self.embed_weight.element_size(), counts)
+        return {**self.kernel_table.to_dict(self.embed_weight.element_size(), counts),
+                "precision": self.precision_info()}
+
+    def precision_info(self) -> dict:
+        """The precision the step runs at, where its weights came from and what they cost."""
+        if self.layout is None:
+            return {"precision": self.precision, "source": "the model's weights"}
+        return self.layout.info()
 
     @property
     def device(self):

@@ -1,0 +1,116 @@
+"""The engine's own CPU kernels (csrc/lowbit.cpp): low-bit products and attention whose rows do
+not depend on how many rows a call has. Built once per machine with the system's C++ compiler
+through torch's extension loader (`python -m dflash.engine.native build`, or the first use),
+into ~/.cache/dflash/native-<hash>; where no compiler is present they are absent and the
+engine runs its torch kernels (`available()` says which, `problem()` why).
+
+    torch.ops.dflash_lowbit.qmm(x, u, d, m, n, bits)    # (..., K) fp32 -> (..., N) fp32
+    torch.ops.dflash_lowbit.attend(q, k, v, past, mask, scale)
+    torch.ops.dflash_lowbit.quantize(x)                 # int8 per row and 32-value block
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from dflash.engine import machine
+
+SOURCE = Path(__file__).parent / "csrc" / "lowbit.cpp"
+NAME = "dflash_lowbit"
+FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]  # no contraction: the float order is the source's
+
+
+class _State:
+    """The outcome of the one build attempt of this process (the library, or why not)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.tried = False
+        self.error: str | None = None
+
+
+_STATE = _State()
+
+
+def build_dir() -> Path:
+    """Where this source, compiled for this torch and Python, lives on this machine."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()
+                            + sys.version.encode()).hexdigest()[:12]
+    return machine.cache_dir() / f"native-{digest}"
+
+
+def _compiler_problem() -> str | None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} is not on PATH)"
+    try:
+        import ninja  # noqa: F401  (torch's loader drives the build with it)
+    except ImportError:
+        if shutil.which("ninja") is None:
+            return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (once per machine) and load the kernels; True when `torch.ops.dflash_lowbit` is ready."""
+    with _STATE.lock:
+        if _STATE.tried:
+            return _STATE.error is None
+        _STATE.tried = True
+        _STATE.error = _compiler_problem()
+        if _STATE.error is None:
+            try:
+                from torch.utils import cpp_extension
+
+                out = build_dir()
+                out.mkdir(parents=True, exist_ok=True)
+                if "ninja" not in os.environ.get("PATH", "") and shutil.which("ninja") is None:
+                    import ninja
+                    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+                cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(out),
+                                   is_python_module=False, verbose=verbose)
+            except Exception as e:  # a failed build leaves the engine on its torch kernels
+                _STATE.error = f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+        return _STATE.error is None
+
+
+def available() -> bool:
+    """The kernels are built and loaded (building them now if this process has not tried)."""
+    return load()
+
+
+def problem() -> str | None:
+    """Why the kernels are not available (None when they are)."""
+    load()
+    return _STATE.error
+
+
+def fast_path() -> bool:
+    """The kernels run their AVX-512 VNNI code here (else their portable C++ code)."""
+    return available() and bool(torch.ops.dflash_lowbit.fast_path())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] not in (["build"], ["path"]):
+        print("usage: python -m dflash.engine.native build|path", file=sys.stderr)
+        return 2
+    if args[0] == "path":
+        print(build_dir())
+        return 0
+    if not load(verbose=False):
+        print(f"dflash: the native kernels are not available: {_STATE.error}", file=sys.stderr)
+        return 1
+    print(f"dflash: native kernels ready in {build_dir()} ({'AVX-512 VNNI' if fast_path() else 'portable'} code)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
