@@ -141,7 +141,8 @@ def test_profile_command_end_to_end_with_both_kernel_settings(tmp_path, monkeypa
     result = json.loads((out / "profile.json").read_text())
     assert set(result["by_kernels"]) == {"auto", "torch"} and result["kernels"] == "auto"
     assert result["machine"]["cpu"] and result["machine"]["kernels"]["mode"] == "auto"
-    assert result["by_kernels"]["torch"]["kernels"] == {"mode": "torch"}
+    assert result["by_kernels"]["torch"]["kernels"]["mode"] == "torch"
+    assert result["by_kernels"]["torch"]["kernels"]["precision"]["precision"] == "fp32"
     cm = result["by_kernels"]["auto"]["cost_model"]
     assert cm["blocks"] == list(bp.BREAK_EVEN_BLOCKS) and len(cm["model"]["ns"]) == 13
     md = (out / "profile.md").read_text()

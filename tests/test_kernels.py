@@ -112,7 +112,8 @@ def test_target_adapter_uses_the_fake_timers_choice_and_leaves_the_model_alone(t
     assert q["extra_mb"] == pytest.approx(8 * 64 * 64 * 4 / 2**20, abs=0.05)
     assert {k: (v.data_ptr(), v.stride()) for k, v in model.state_dict().items()} == before
     assert not list(tmp_path.iterdir())  # fake timings are never cached
-    assert TargetModel(model, kernels="torch").kernel_info() == {"mode": "torch"}
+    assert TargetModel(model, kernels="torch").kernel_info() == {
+        "mode": "torch", "precision": {"precision": "fp32", "source": "the model's weights"}}
     with pytest.raises(ValueError):
         TargetModel(model, kernels="fast")
     from dflash.cli.commands import KERNEL_MODES
@@ -202,7 +203,7 @@ def test_smollm2_greedy_equals_hf_generate_on_both_kernel_settings():
     from dflash.text.pipeline import Pipeline
 
     torch.set_num_threads(2)
-    pipe = Pipeline.load(None, None, quiet=True)
+    pipe = Pipeline.load(None, None, quiet=True, precision="fp32")
     assert pipe.target.kernel_info()["mode"] == "auto"
     runs = [(pipe.target, block) for block in (1, 4, 16)]
     runs.append((TargetModel(pipe.target.model, kernels="torch"), 16))

@@ -156,6 +156,8 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
             total = time.perf_counter() - start
         extra = {"accepted_per_source": stats.num_accepted_tokens_per_source,
                  "draft_passes": stats.num_draft_passes} if stats.num_drafts else {}
+        if block_size > 1 and pipe.target.precision != "fp32":  # exact against plain decoding at its precision
+            extra["exact_against"] = _loop_name(1)
         name = _loop_name(block_size) if proposer_kind is None else _proposer_name(proposer_kind, block_size)
         name += ("-adaptive" if adaptive else "") + ("" if context_vocab else "-plainvocab")
         return Record(name, tokens, input_ids.shape[1], total, ttft, steps, finish, mem.mb, extra=extra)

@@ -278,7 +278,7 @@ def run_profile_command(args) -> int:
     kernels = getattr(args, "kernels", "auto")
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     start = time.perf_counter()
-    pipe = Pipeline.load(args.target, args.draft, kernels=kernels)
+    pipe = Pipeline.load(args.target, args.draft, kernels=kernels, precision=getattr(args, "precision", "auto"))
     load_s = time.perf_counter() - start
     ids = pipe.encode_chat([{"role": "user", "content": PROFILE_PROMPT}])
     time_draft_kernels(pipe.target, pipe.draft)
@@ -296,7 +296,8 @@ def run_profile_command(args) -> int:
     modes = [kernels] + others
     result["by_kernels"] = {}
     for mode in modes:
-        target = pipe.target if mode == kernels else TargetModel(pipe.target.model, kernels=mode)
+        target = pipe.target if mode == kernels else TargetModel(pipe.target.model, kernels=mode,
+                                                                 precision=pipe.target.precision, gguf=pipe.target.gguf)
         say(f"kernels={mode}:")
         result["by_kernels"][mode] = kernel_comparison(target, pipe.draft, ids, args, clock, say)
     main = result["by_kernels"][kernels]

@@ -152,7 +152,8 @@ def run_bench_command(args) -> int:
         console = Console(stderr=True, width=140)
     datasets = args.datasets if args.datasets is not None else ([] if args.prompts else list(DATASETS))
     prompts = load_prompts(datasets, args.prompts, args.limit)
-    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"))
+    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"),
+                         precision=getattr(args, "precision", "auto"))
     blocks = tuple(args.block_size or [pipe.draft.config.block_size])
     settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline,
                         tuple(args.draft_vocab), draft_thresholds=tuple(args.draft_threshold),

@@ -147,7 +147,8 @@ def run_chat(args) -> int:
     from dflash.cli.commands import spec_from_args
     from dflash.text.pipeline import Pipeline
 
-    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"), spec=spec_from_args(args))
+    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"),
+                         precision=getattr(args, "precision", "auto"), spec=spec_from_args(args))
     settings = GenSettings(args.max_new_tokens, args.temperature, args.top_p, 0, args.seed)
     view = None
     if not args.plain and sys.stdout.isatty():

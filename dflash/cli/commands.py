@@ -24,6 +24,7 @@ def add_model_args(p) -> None:
 
 
 KERNEL_MODES = ("auto", "precise", "torch")  # engine/kernels.MODES (not imported: the CLI parses without torch)
+PRECISIONS = ("auto", "fp32", "bf16", "int8", "int4")  # engine/precision.PRECISIONS
 
 
 def add_kernels(p) -> None:
@@ -32,6 +33,10 @@ def add_kernels(p) -> None:
                         "(cached per machine) and run the fastest, the draft's in bf16 where that is faster; "
                         "precise: the same at the weights' own precision; torch: the models' own modules "
                         "(default: auto; the output is the target's in every setting)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="the numbers the target computes: auto, the weights as they ship (the default target's "
+                        "GGUF: its own 4-bit blocks); fp32, HF's numbers; bf16, int8, int4 convert at load "
+                        "(output equals plain decoding at that precision; docs/PERFORMANCE.md, Precision)")
 
 
 def add_spec_args(p) -> None:

@@ -54,6 +54,7 @@ def run_generate(args) -> int:
     from dflash.text.pipeline import Pipeline
 
     pipe = Pipeline.load(args.target, args.draft, quiet=args.json, kernels=getattr(args, "kernels", "auto"),
+                         precision=getattr(args, "precision", "auto"),
                          spec=spec_from_args(args))
     if args.raw:
         if not args.prompt:

@@ -73,7 +73,8 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     set_threads(args)
     spec = dataclasses.replace(spec_from_args(args), shared_suffix=args.proposer in ("suffix", "hybrid"))
-    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"), spec=spec)
+    pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"),
+                         precision=getattr(args, "precision", "auto"), spec=spec)
     name = args.model_name or default_name(args.target)
     limits = Limits(args.max_body_bytes, args.max_prompt_chars, args.max_tokens_default, args.max_tokens_limit,
                     args.request_timeout)

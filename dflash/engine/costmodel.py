@@ -198,7 +198,8 @@ def model_signature(target, draft=None) -> str:
     sig = {"target": tc.to_dict() if hasattr(tc, "to_dict") else repr(tc), "kernels": getattr(target, "kernels", None),
            "kernel_choice": [(r["shape"], r["kernels"]) for r in target.kernel_info().get("shapes", [])]
            if hasattr(target, "kernel_info") else None, "static": getattr(target, "static", None),
-           "dtype": str(target.dtype)}
+           "dtype": str(target.dtype),
+           "precision": target.precision_info() if hasattr(target, "precision_info") else None}
     if draft is not None:
         cfg = draft.config.to_dict()
         sig["draft"] = {k: cfg.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -188,7 +188,7 @@ class PrecisionLayout:
         return {"precision": self.precision, "source": self.source, "weights": kinds,
                 "mb": round(self.extra_bytes / 2**20, 1),
                 "kernels": sorted({n for lin in self.linears for n in getattr(lin, "names", ())}),
-                "native": "AVX-512 VNNI" if native.fast_path() else "portable C++"}
+                "native": f"{'AVX-512 VNNI' if native.fast_path() else 'portable C++'} ({native.build_dir().name})"}
 
 
 def _split(fn, sizes):

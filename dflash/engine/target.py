@@ -71,11 +71,12 @@ class TargetModel:
             max_positions=getattr(tc, "max_position_embeddings", None) or 1 << 30,
             model_type=getattr(tc, "model_type", "?"),
         )
-        self.precision = precisions.resolve(precision, model, Path(gguf) if gguf is not None else None)
+        self.gguf = Path(gguf) if gguf is not None else None  # the file the model was loaded from, if one
+        self.precision = precisions.resolve(precision, model, self.gguf)
         precisions.check(self.precision, model, self.static)
         self.layout: precisions.PrecisionLayout | None = None  # the decoder and lm_head below fp32
         if self.precision != "fp32":
-            self.layout = precisions.PrecisionLayout(model, self.precision, Path(gguf) if gguf is not None else None)
+            self.layout = precisions.PrecisionLayout(model, self.precision, self.gguf)
         self._build_kernels(kernels, time_fn, stacking)
 
     def _build_kernels(self, kernels: str, time_fn, stacking: bool = True) -> None:

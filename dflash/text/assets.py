@@ -221,6 +221,20 @@ def resolve_target(name_or_path: PathLike | None) -> Path:
     )
 
 
+def source_gguf(name_or_path: PathLike | None = None) -> Path | None:
+    """The GGUF a target folder was converted from (the default target's), when it is still
+    there and unchanged; None for any other folder."""
+    folder = resolve_target(name_or_path)
+    marker = folder / COMPLETE_MARKER
+    if not marker.is_file():
+        return None
+    info = json.loads(marker.read_text())
+    source = Path(info.get("source", ""))
+    if not source.is_file() or source.stat().st_size != info.get("source_size"):
+        return None
+    return source
+
+
 def load_target(name_or_path: PathLike | None = None, dtype: torch.dtype = torch.float32):
     """Load a target as ``(model, tokenizer)``; the model is in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -132,14 +132,16 @@ class Pipeline:
     @classmethod
     def load(cls, target: str | None = None, draft: str | None = None, random_draft_layers: int = 1,
              seed: int = 0, quiet: bool = False, kernels: str = "auto",
-             spec: SpecSettings | None = None) -> "Pipeline":
+             spec: SpecSettings | None = None, precision: str = "auto") -> "Pipeline":
         """`target`: None for the default SmolLM2-135M-Instruct, or an HF folder. `draft`: a
         checkpoint folder, None for the shipped draft of the default target, or "random".
-        `spec`: how the loop speculates (default `SpecSettings()`)."""
-        from dflash.text.assets import load_target
+        `spec`: how the loop speculates (default `SpecSettings()`). `precision`: the numbers the
+        target computes (engine/precision.py; "auto": the default target's own GGUF blocks, 4-bit)."""
+        from dflash.text.assets import load_target, source_gguf
 
         model, tokenizer = load_target(target)
-        tgt = TargetModel(model, kernels=kernels)  # "auto": measured kernels (engine/kernels.py)
+        tgt = TargetModel(model, kernels=kernels, precision=precision,  # "auto": measured kernels (engine/kernels.py)
+                          gguf=source_gguf(target) if precision in ("auto", "int4", "int8") else None)
         if draft is None and target is None and (SHIPPED_DRAFT / "model.safetensors").exists():
             draft = str(SHIPPED_DRAFT)
         if draft is None or draft == "random":
@@ -171,7 +173,7 @@ class Pipeline:
         """This model, tokenizer and draft on a new target adapter with the kernel setting
         `kernels` (engine/target.py), with its own cost model and tree states: one side of a
         comparison of kernel settings on the same loaded model (`dflash bench --compare-kernels`)."""
-        target = TargetModel(self.target.model, kernels=kernels)
+        target = TargetModel(self.target.model, kernels=kernels, precision=self.target.precision, gguf=self.target.gguf)
         return Pipeline(target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec).warm()
 
     def warm(self) -> "Pipeline":
