@@ -20,6 +20,8 @@ Candidates (`IMPLS`, each only where it runs and agrees with F.linear):
   products differ from F.linear's in the third digit, so it is **approximate**: only a weight
   whose caller allows that may get it (the draft's: a proposal changes what is verified, never
   what is output), and only from a table built with `approximate=True` (kernels="auto").
+- `q8_0`: the engine's own int8 block kernel (engine/lowbit.py; a quarter of the bytes, the
+  input quantised to int8 per 32 values), approximate as bf16 is.
 
 Products that read the same input (a layer's q, k, v; its gate and up) are also measured as one
 product on their weights stacked, a weight shape of its own (`stacked`: every layout of it is a
@@ -51,7 +53,7 @@ HEAD_BUCKETS = (1, 2, 4, 8, 16, 32)  # the lm_head never sees a prefill (only it
 TOLERANCE = 0.05
 MAX_COPIES = 1  # copies of one decoder weight the adapter may hold (a 135M-parameter fp32 target: ~0.4 GB)
 HEAD_MAX_COPIES = 2  # the lm_head runs on one row every step: a second copy of it may pay
-VERSION = 1  # bump when the candidates or the measurement change: cached choices measure again
+VERSION = 2  # bump when the candidates or the measurement change: cached choices measure again
 MODES = ("auto", "precise", "torch")  # precise: measured kernels, none approximate
 
 TimeFn = Callable[..., float]  # time_fn(fn, x, *, impl, shape, n) -> seconds per call of fn(x)
@@ -108,6 +110,21 @@ def _onednn_bf16(w, b):
     return fn
 
 
+def _q8_0(w, b):
+    from dflash.engine import lowbit
+
+    if b is not None:
+        raise TypeError("the block kernel has no bias")
+    return lowbit.QLinear(lowbit.quantize(w, "q8_0"))
+
+
+def _q8_0_available(w) -> bool:
+    """The engine's own int8 block kernel (engine/lowbit.py) where it is built."""
+    from dflash.engine import native
+
+    return w.device.type == "cpu" and w.dtype == torch.float32 and w.shape[1] % 32 == 0 and native.available()
+
+
 def _onednn_available(w) -> bool:
     return (w.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and w.dtype in (torch.float32, torch.bfloat16)
@@ -134,6 +151,7 @@ IMPLS: dict[str, Impl] = {
     "transposed": Impl(_transposed, True),
     "onednn": Impl(_onednn, True, _onednn_available),
     "onednn_bf16": Impl(_onednn_bf16, True, _onednn_bf16_available, exact=False, copy_dtype=torch.bfloat16),
+    "q8_0": Impl(_q8_0, True, _q8_0_available, exact=False, copy_dtype=torch.int8),
 }
 
 

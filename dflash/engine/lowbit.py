@@ -1,5 +1,5 @@
 """Low-bit target weights: 32-weight blocks with a scale and an offset, as GGUF stores them, in
-the layout the engine's own kernels read (engine/native.py, csrc/lowbit.cpp).
+the layout the engine's own kernels read (engine/native.py, csrc/qmm.cpp).
 
 Two formats, both llama.cpp's:
 - `q4_1`: u in 0..15, w = d u + m (GGUF Q4_1; 0.625 bytes a weight with fp16 d and m);

@@ -1,4 +1,4 @@
-"""The engine's own CPU kernels (csrc/lowbit.cpp): low-bit products and attention whose rows do
+"""The engine's own CPU kernels (csrc/): low-bit products and attention whose rows do
 not depend on how many rows a call has. Built once per machine with the system's C++ compiler
 through torch's extension loader (`python -m dflash.engine.native build`, or the first use),
 into ~/.cache/dflash/native-<hash>; where no compiler is present they are absent and the
@@ -7,6 +7,7 @@ engine runs its torch kernels (`available()` says which, `problem()` why).
     torch.ops.dflash_lowbit.qmm(x, u, d, m, n, bits)    # (..., K) fp32 -> (..., N) fp32
     torch.ops.dflash_lowbit.attend(q, k, v, past, mask, scale)
     torch.ops.dflash_lowbit.quantize(x)                 # int8 per row and 32-value block
+    torch.ops.dflash_lowbit.llama_layer(...)            # a whole Llama layer (csrc/layer.cpp)
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 from dflash.engine import machine
 
-SOURCE = Path(__file__).parent / "csrc" / "lowbit.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("qmm.cpp", "attend.cpp", "layer.cpp", "ops.cpp")  # and lowbit.h, which they share
 NAME = "dflash_lowbit"
 FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]  # no contraction: the float order is the source's
 
@@ -41,7 +43,8 @@ _STATE = _State()
 
 def build_dir() -> Path:
     """Where this source, compiled for this torch and Python, lives on this machine."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode()
+    text = b"".join((CSRC / name).read_bytes() for name in SOURCES + ("lowbit.h",))
+    digest = hashlib.sha256(text + torch.__version__.encode() + " ".join(FLAGS).encode()
                             + sys.version.encode()).hexdigest()[:12]
     return machine.cache_dir() / f"native-{digest}"
 
@@ -74,7 +77,7 @@ def load(verbose: bool = False) -> bool:
                 if "ninja" not in os.environ.get("PATH", "") and shutil.which("ninja") is None:
                     import ninja
                     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-                cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=FLAGS, build_directory=str(out),
+                cpp_extension.load(NAME, [str(CSRC / name) for name in SOURCES], extra_cflags=FLAGS, build_directory=str(out),
                                    is_python_module=False, verbose=verbose)
             except Exception as e:  # a failed build leaves the engine on its torch kernels
                 _STATE.error = f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"

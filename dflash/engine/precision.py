@@ -165,10 +165,13 @@ class PrecisionLayout:
             raise PrecisionError(f"precision {precision} covers an lm_head without bias")
         self.head = make([head.weight], ["lm_head"], None, head_fmt)
         scale = model.model.layers[0].self_attn.scaling
+        fused = _fusable(model, self.layers)
         self._projections = [
             Projections(_split(w.qkv, w.sizes[0]), w.o, mlp_fn(_split(w.gate_up, w.sizes[1]), w.down, layer.mlp.act_fn),
-                        norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm), _attend(scale))
+                        norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm), _attend(scale),
+                        _whole_layer(model, w, layer, scale) if fused else None)
             for w, layer in zip(self.layers, model.model.layers)]
+        self.fused = fused
 
     def for_tokens(self, n: int) -> list[Projections]:
         return self._projections
@@ -189,6 +192,33 @@ class PrecisionLayout:
                 "mb": round(self.extra_bytes / 2**20, 1),
                 "kernels": sorted({n for lin in self.linears for n in getattr(lin, "names", ())}),
                 "native": f"{'AVX-512 VNNI' if native.fast_path() else 'portable C++'} ({native.build_dir().name})"}
+
+
+def _fusable(model, layers: list[LayerWeights]) -> bool:
+    """The whole layer can run as one native call (csrc/layer.cpp): a Llama layer (RMSNorm,
+    SiLU, no q/k norms) whose products are all block weights with no padded rows."""
+    first = model.model.layers[0]
+    return (type(first.input_layernorm).__name__ in ("LlamaRMSNorm", "MistralRMSNorm")
+            and getattr(model.config, "hidden_act", None) == "silu" and not hasattr(first.self_attn, "q_norm")
+            and all(isinstance(lin, lowbit.QLinear) and lin.padded == lin.n
+                    for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)))
+
+
+def _whole_layer(model, w: LayerWeights, layer, scale: float):
+    op = torch.ops.dflash_lowbit.llama_layer
+    weights = [t for lin in (w.qkv, w.o, w.gate_up, w.down) for t in (lin.u, lin.d, lin.m)]
+    bits = [lin.bits for lin in (w.qkv, w.o, w.gate_up, w.down)]
+    norms = torch.stack([layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]).float()
+    eps, heads = float(layer.input_layernorm.variance_epsilon), model.config.num_attention_heads
+
+    def run(x, cos, sin, kv, i, tree):
+        """x (1, T, H) -> (1, T, H), the layer's K/V written at kv.length.."""
+        t = x.shape[1]
+        y = op(x.reshape(t, -1).contiguous(), weights, bits, norms, eps, cos.contiguous(), sin.contiguous(),
+               kv.k[i, 0], kv.v[i, 0], kv.length, tree, scale, heads)
+        return y.view(1, t, -1)
+
+    return run
 
 
 def _split(fn, sizes):

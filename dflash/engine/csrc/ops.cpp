@@ -1,0 +1,28 @@
+// The operators torch.ops.dflash_lowbit.* (engine/native.py builds and loads this library).
+#include <torch/library.h>
+
+#include "lowbit.h"
+
+namespace dflash_lowbit {
+namespace {
+bool fast_path() { return has_avx512(); }
+}  // namespace
+}  // namespace dflash_lowbit
+
+using namespace dflash_lowbit;
+
+TORCH_LIBRARY(dflash_lowbit, lib) {
+  lib.def("qmm(Tensor x, Tensor u, Tensor d, Tensor m, int n, int bits) -> Tensor");
+  lib.def("quantize(Tensor x) -> Tensor[]");
+  lib.def("attend(Tensor q, Tensor k, Tensor v, int past, Tensor? mask, float scale) -> Tensor");
+  lib.def("llama_layer(Tensor x, Tensor[] weights, int[] bits, Tensor norms, float eps, Tensor cos, Tensor sin, "
+          "Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, float scale, int heads) -> Tensor");
+  lib.def("fast_path() -> bool", fast_path);
+}
+
+TORCH_LIBRARY_IMPL(dflash_lowbit, CPU, lib) {
+  lib.impl("qmm", qmm);
+  lib.impl("quantize", quantize);
+  lib.impl("attend", attend);
+  lib.impl("llama_layer", llama_layer);
+}
