@@ -43,6 +43,7 @@ class Settings:
     cost_source: Callable | None = None  # pipeline -> its CostModel (sizes trees); None: measured and cached
     compare_drafts: tuple[str, ...] = ()  # also every draft method with each of these draft checkpoints
     compare_kernels: tuple[str, ...] = ()  # also every draft method with each of these kernel settings
+    compare_precisions: tuple[str, ...] = ()  # also every loop method with the target at each of these precisions
     llamacpp: bool = False  # also llama.cpp's methods (bench/llamacpp.py)
     llamacpp_target: str | None = None  # the target's GGUF for them (default: the default target's)
     llamacpp_draft_max: int | None = None  # llama.cpp's --spec-draft-n-max (default: block size - 1)
@@ -264,16 +265,20 @@ def _compared_methods(settings: Settings):
     """Every method of `_loop_methods` that runs the draft, once more per variant: per draft
     checkpoint of `settings.compare_drafts` (named `<method>@<checkpoint>`, `Pipeline.with_draft`)
     and per kernel setting of `settings.compare_kernels` (named `<method>@kernels=<mode>`,
-    `Pipeline.with_kernels`). Each variant is one view of the pipeline (its own cost model and
+    `Pipeline.with_kernels`), and per target precision of `settings.compare_precisions` (named
+    `<method>@precision=<p>`, `Pipeline.with_precision`; the plain loop and n-gram methods too,
+    as the precision changes them). Each variant is one view of the pipeline (its own cost model and
     tree states) on the same loaded model, so both sides run in one process on the same
     prompts, interleaved prompt by prompt, and a drift of the machine's speed during the run
     falls on both alike."""
-    variants = [(path, f"compared draft: {path}", lambda pipe, p=path: pipe.with_draft(p))
+    variants = [(path, f"compared draft: {path}", lambda pipe, p=path: pipe.with_draft(p), False)
                 for path in settings.compare_drafts]
-    variants += [(f"kernels={mode}", f"compared kernel setting: {mode}", lambda pipe, m=mode: pipe.with_kernels(m))
-                 for mode in settings.compare_kernels]
+    variants += [(f"kernels={mode}", f"compared kernel setting: {mode}", lambda pipe, m=mode: pipe.with_kernels(m),
+                  False) for mode in settings.compare_kernels]
+    variants += [(f"precision={p}", f"compared target precision: {p}", lambda pipe, p=p: pipe.with_precision(p), True)
+                 for p in settings.compare_precisions]
     out = []
-    for tag, note, build in variants:
+    for tag, note, build, every in variants:
         settings.notes.append(f"{note} (its methods are named METHOD@{tag})")
         views: dict[int, object] = {}  # id(main pipeline) -> its view
 
@@ -283,10 +288,18 @@ def _compared_methods(settings: Settings):
             return views[id(pipe)]
 
         for name, method in _loop_methods(settings):  # fresh closures: their per-pipeline caches are the view's
-            if name == _loop_name(1) or name.startswith("suffix-"):  # no draft in them
+            if not every and (name == _loop_name(1) or name.startswith("suffix-")):  # no draft in them
                 continue
-            out.append((f"{name}@{tag}", lambda pipe, ids, n, m=method, view=view: m(view(pipe), ids, n)))
+            out.append((f"{name}@{tag}", lambda pipe, ids, n, m=method, view=view, tag=tag: _tagged(m(view(pipe), ids, n), tag)))
     return out
+
+
+def _tagged(rec: Record, tag: str) -> Record:
+    """A variant's record: its reference for exactness is the variant's own (plain decoding at
+    the variant's precision), when it names one."""
+    if rec.extra and "exact_against" in rec.extra:
+        rec.extra["exact_against"] += f"@{tag}"
+    return rec
 
 
 def _vllm_methods(settings: Settings):

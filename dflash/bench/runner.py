@@ -161,6 +161,7 @@ def run_bench_command(args) -> int:
                         plain_vocab=getattr(args, "plain_vocab", False),
                         compare_drafts=tuple(getattr(args, "compare_draft", ())),
                         compare_kernels=tuple(getattr(args, "compare_kernels", ())),
+                        compare_precisions=tuple(getattr(args, "compare_precision", ())),
                         llamacpp=getattr(args, "llamacpp", False), llamacpp_target=getattr(args, "llamacpp_target", None),
                         llamacpp_draft_max=getattr(args, "llamacpp_draft_max", None),
                         llamacpp_threads=getattr(args, "threads", None) or 2)
@@ -205,7 +206,8 @@ def _record_line(rec: Record, task) -> str:
 def _title(args, pipe) -> str:
     draft = pipe.draft_path or "[red]UNTRAINED random draft[/red]"
     return (f"speedup = median tok/s over the target alone (HF generate, greedy) on the same prompts; vs loop-b1 = "
-            f"the same over our own loop at block 1 (what speculation adds); draft: {draft}")
+            f"the same over our own loop at block 1 (what speculation adds); draft: {draft}; "
+            f"target precision: {getattr(pipe.target, 'precision', 'fp32')}")
 
 
 def _write_outputs(args, pipe, prompts, records, sums, mismatches, notes, console) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash.cli.commands import KERNEL_MODES, add_model_args, add_threads, deferred
+from dflash.cli.commands import KERNEL_MODES, PRECISIONS, add_model_args, add_threads, deferred
 
 BENCH_DATASETS = ("humaneval", "mtbench", "math", "sharegpt")
 
@@ -36,6 +36,9 @@ def add_bench(sub) -> None:
     p.add_argument("--compare-kernels", nargs="+", default=[], choices=KERNEL_MODES, metavar="MODE",
                    help="also run every method that uses the draft with these --kernels settings (named "
                    "METHOD@kernels=MODE), interleaved prompt by prompt on the same model")
+    p.add_argument("--compare-precision", nargs="+", default=[], choices=PRECISIONS[1:], metavar="P",
+                   help="also run every loop method with the target at these precisions (named "
+                   "METHOD@precision=P), interleaved prompt by prompt on the same model")
     p.add_argument("--llamacpp", action="store_true",
                    help="also llama.cpp through llama-server: plain, its n-gram proposer, our draft, both "
                    "(builds llama-server once per machine; docs/LLAMACPP.md)")

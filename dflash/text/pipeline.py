@@ -169,6 +169,13 @@ class Pipeline:
         return Pipeline(self.target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec,
                         _cost_model=self._cost_model, _tree_states={(kind, greedy): state})
 
+    def with_precision(self, precision: str) -> "Pipeline":
+        """This model, tokenizer and draft on a new target adapter at `precision`
+        (engine/precision.py), with its own cost model and tree states: one side of a comparison
+        of precisions on the same loaded model (`dflash bench --compare-precision`)."""
+        target = TargetModel(self.target.model, kernels=self.target.kernels, precision=precision, gguf=self.target.gguf)
+        return Pipeline(target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec).warm()
+
     def with_kernels(self, kernels: str) -> "Pipeline":
         """This model, tokenizer and draft on a new target adapter with the kernel setting
         `kernels` (engine/target.py), with its own cost model and tree states: one side of a
