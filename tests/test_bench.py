@@ -344,3 +344,22 @@ class _FlatCost:
 
     def draft_ms(self, block):
         return 1.0
+
+
+def test_a_compared_precision_runs_every_loop_method_exact_against_its_own_plain_decoding(pipe):
+    """--compare-precision int4: every loop method once more on an int4 adapter of the same
+    model, the plain loop included; each int4 speculative output is checked against the int4
+    plain loop's (they differ from fp32's), so the run is exact."""
+    from dflash.engine import native
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.problem()}")
+    settings = Settings(block_sizes=(8,), prompt_lookup=0, proposers=("hybrid",), compare_precisions=("int4",),
+                        cost_source=lambda p: _FlatCost())
+    methods = build_methods(settings)
+    assert [n for n, _ in methods][4:] == ["loop-b1@precision=int4", "dflash-b8@precision=int4",
+                                           "hybrid-b8@precision=int4"]
+    records = bench.run_bench(pipe, PROMPTS, methods, 12, warmup=False)
+    assert bench.check_equal(records) == []
+    int4 = [r for r in records if r.method == "hybrid-b8@precision=int4"]
+    assert int4 and all(r.extra["exact_against"] == "loop-b1@precision=int4" for r in int4)

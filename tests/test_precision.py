@@ -89,10 +89,13 @@ def test_attention_matches_sdpa_and_each_row_is_its_own():
 
 
 @pytest.mark.parametrize("precision", LOWBIT)
-def test_a_verify_pass_gives_each_row_the_bits_of_one_token_steps(precision):
-    model = tiny_target("llama")
-    target = TargetModel(model, precision=precision)
+@pytest.mark.parametrize("family,fuse", [("llama", True), ("llama", False), ("qwen3", True)])
+def test_a_verify_pass_gives_each_row_the_bits_of_one_token_steps(precision, family, fuse):
+    """Llama layers as one native call or op by op, and Qwen3's (q/k norms: op by op)."""
+    model = tiny_target(family)
+    target = TargetModel(model, precision=precision, fuse=fuse)
     assert target.precision == precision and target.layout is not None
+    assert target.layout.fused == (fuse and family == "llama" and precision != "bf16")
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
     whole, steps = target.new_cache(), target.new_cache()
     target.forward(ids[:, :24], whole, None)
@@ -177,15 +180,56 @@ def test_the_default_target_runs_its_own_gguf_blocks_and_speculation_is_exact():
     from dflash.text.pipeline import Pipeline
 
     torch.set_num_threads(2)
-    pipe = Pipeline.load(None, None, quiet=True)
+    default = Pipeline.load(None, None, quiet=True)  # int4 where the kernels have their fast code
+    assert default.target.precision == ("int4" if native.fast_path() else "fp32")
+    pipe = default if native.fast_path() else default.with_precision("int4")
     info = pipe.target.precision_info()
     assert pipe.target.precision == "int4" and "its own blocks" in info["source"], info
     assert info["weights"] == {"960x576 q4_1": 30, "576x576 q4_1": 30, "3072x576 q4_1": 30, "576x1536 q4_1": 30,
                                "49152x576 q8_0": 1}
+    tokens = 256 if native.fast_path() else 48  # the portable kernels are far slower
     for prompt in ("Write a Python function that merges two sorted lists.", "What is 15% of 240? Show the steps."):
         ids = pipe.encode_chat([{"role": "user", "content": prompt}])
-        plain = dflash_generate(None, pipe.target, ids, 256, pipe.stop_token_ids, block_size=1)
+        plain = dflash_generate(None, pipe.target, ids, tokens, pipe.stop_token_ids, block_size=1)
         for proposer in ("draft", "hybrid"):
-            out = dflash_generate(pipe.draft, pipe.target, ids, 256, pipe.stop_token_ids, block_size=16,
+            out = dflash_generate(pipe.draft, pipe.target, ids, tokens, pipe.stop_token_ids, block_size=16,
                                   proposer=proposer, cost_model=pipe.cost_model())
             assert torch.equal(out, plain), (prompt, proposer)
+
+
+PORTABLE_CHECK = """
+import sys, torch
+from dflash.engine import lowbit, native
+from dflash.engine.target import TargetModel
+from dflash.model import dflash_generate
+from dflash.testing import tiny_draft, tiny_target
+assert native.available() and not native.fast_path()
+w = torch.randn(192, 576, generator=torch.Generator().manual_seed(0))
+x = torch.randn(1, 11, 576, generator=torch.Generator().manual_seed(1))
+torch.save({f: lowbit.QLinear(lowbit.quantize(w, f))(x) for f in ("q4_1", "q8_0")}, sys.argv[1])
+model = tiny_target("llama", max_position_embeddings=512)
+target, draft = TargetModel(model, precision="int4"), tiny_draft(model, block_size=8)
+ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+plain = dflash_generate(None, target, ids, 120, block_size=1)
+for proposer in ("draft", "hybrid"):
+    assert torch.equal(dflash_generate(draft, target, ids, 120, block_size=8, proposer=proposer), plain), proposer
+"""
+
+
+def test_the_portable_kernels_are_exact_and_compute_the_fast_paths_products(tmp_path):
+    """The portable C++ code (what a CPU without AVX-512 VNNI runs; forced here by
+    $DFLASH_NATIVE_PORTABLE): speculative output equals plain decoding, and its products are
+    the bits of the AVX-512 code's where this CPU has it."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "portable.pt"
+    env = {**os.environ, "DFLASH_NATIVE_PORTABLE": "1"}
+    run = subprocess.run([sys.executable, "-c", PORTABLE_CHECK, str(out)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    portable = torch.load(out)
+    w = torch.randn(192, 576, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 11, 576, generator=torch.Generator().manual_seed(1))
+    for fmt, y in portable.items():
+        assert torch.equal(lowbit.QLinear(lowbit.quantize(w, fmt))(x), y), fmt

@@ -78,14 +78,14 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._start = torch.cuda.memory_allocated()
             return self
-        self._start = self._peak = _rss()
+        self._start = self._peak = rss_bytes()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self):
         while not self._stop.wait(self.interval):
-            self._peak = max(self._peak, _rss())
+            self._peak = max(self._peak, rss_bytes())
 
     def __exit__(self, *exc):
         if torch.cuda.is_available():
@@ -93,13 +93,13 @@ class PeakMemory:
             return
         self._stop.set()
         self._thread.join()
-        self.mb = (max(self._peak, _rss()) - self._start) / 2**20
+        self.mb = (max(self._peak, rss_bytes()) - self._start) / 2**20
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _rss() -> int:
+def rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * _PAGE
@@ -125,10 +125,10 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
             if id(pipe) not in vocab:
                 vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
             proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
-                                     head=DraftHead.of(vocab[id(pipe)], pipe.target))
+                                     head=DraftHead.of(vocab[id(pipe)], pipe.target), layout=pipe.draft_layout())
         elif not context_vocab and block_size > 1:
             proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
-                                     context_vocab=False)
+                                     context_vocab=False, layout=pipe.draft_layout())
         cost, policy = None, None
         if proposer_kind is not None or adaptive:
             if id(pipe) not in costs:
@@ -138,7 +138,7 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
                 mask_id = pipe.draft.config.mask_token_id if pipe.draft is not None else None
                 proposer = build_proposer(proposer_kind, pipe.draft, pipe.target, params, mask_id, gen,
                                           cost_model=cost, block_size=block_size,
-                                          state=pipe.tree_state(proposer_kind, params))
+                                          state=pipe.tree_state(proposer_kind, params), layout=pipe.draft_layout())
             policy = AdaptivePolicy(cost, block_size) if adaptive else None
         tokens, steps, ttft, finish, stats = [], [], 0.0, "length", SpecStats()
         with PeakMemory() as mem:
@@ -157,7 +157,7 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
             total = time.perf_counter() - start
         extra = {"accepted_per_source": stats.num_accepted_tokens_per_source,
                  "draft_passes": stats.num_draft_passes} if stats.num_drafts else {}
-        if block_size > 1 and pipe.target.precision != "fp32":  # exact against plain decoding at its precision
+        if pipe.target.precision != "fp32":  # below fp32 the reference is plain decoding at that precision
             extra["exact_against"] = _loop_name(1)
         name = _loop_name(block_size) if proposer_kind is None else _proposer_name(proposer_kind, block_size)
         name += ("-adaptive" if adaptive else "") + ("" if context_vocab else "-plainvocab")

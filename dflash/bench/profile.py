@@ -173,23 +173,31 @@ def head_cost(target, positions: int = 15, vocab_sizes=(None, 16384, 8192, 4096)
             "ms": [median_ms(times[k][1:]) for k in vocab_sizes]}
 
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul",
+              "dflash_lowbit::qmm")
+ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "dflash_lowbit::attend")
+LAYER_OPS = ("dflash_lowbit::llama_forward",)  # every layer in one native call: products, attention and the rest
+
+
+VERIFY_OPS_TOKENS = 16  # the verify pass whose ops the profile splits beside a decode step's
 
 
 @torch.inference_mode()
 def decode_op_profile(target, context: int = 256, steps: int = 10, top: int = 14,
-                      clock: Clock = time.perf_counter) -> dict:
+                      clock: Clock = time.perf_counter, tokens: int = 1) -> dict:
     """Per-op split of one plain decode step (the target's layers and its lm_head on one
-    row) by torch.profiler: self time per step of the costliest ops, and the step grouped as
-    matrix products / attention / the rest. `step_ms`: the median step outside the profiler."""
+    row), or of a verify pass of `tokens` (the lm_head on every row), by torch.profiler: self
+    time per step of the costliest ops, and the step grouped as matrix products / attention /
+    whole native layers / the rest. `step_ms`: the median step outside the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     cache = fill_cache(target, context, torch.Generator().manual_seed(0))
-    one = torch.tensor([[5]], device=target.device)
+    ids = torch.full((1, tokens), 5, device=target.device)
 
     def step():
-        final, _ = target.forward_hidden(one, cache, None)
-        target.logits(final[:, :1])
+        final, _ = target.forward_hidden(ids, cache, None)
+        target.logits(final)
         cache.crop_to(context)
 
     wall = []
@@ -204,12 +212,13 @@ def decode_op_profile(target, context: int = 256, steps: int = 10, top: int = 14
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     per_step = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731
     total = sum(e.self_cpu_time_total for e in events)
-    groups = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    groups = {"matmul": 0.0, "attention": 0.0, "layer": 0.0, "other": 0.0}
     for e in events:
-        g = "matmul" if e.key in MATMUL_OPS else "attention" if "scaled_dot_product" in e.key else "other"
+        g = ("matmul" if e.key in MATMUL_OPS else "attention" if e.key in ATTENTION_OPS
+             else "layer" if e.key in LAYER_OPS else "other")
         groups[g] += e.self_cpu_time_total
     ops = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
-    return {"context": context, "step_ms": median_ms(wall), "profiled_ms": per_step(total),
+    return {"context": context, "tokens": tokens, "step_ms": median_ms(wall), "profiled_ms": per_step(total),
             "groups_ms": {g: per_step(v) for g, v in groups.items()},
             "ops_per_step": round(sum(e.count for e in events) / steps, 1),
             "ops": [{"op": e.key, "ms": per_step(e.self_cpu_time_total), "calls": round(e.count / steps, 1)}
@@ -256,8 +265,15 @@ def kernel_comparison(target, draft, ids, args, clock: Clock, say=lambda s: None
     out = {"kernels": target.kernel_info(),
            "overhead": overhead_ratio(random_like(draft), target, ids, args.block_size, args.max_new_tokens,
                                       args.rounds, clock)}
-    say(f"  [{target.kernels}] decode-step ops ...")
+    say(f"  [{target.kernels}] decode-step and verify-pass ops ...")
     out["decode_ops"] = decode_op_profile(target, clock=clock)
+    out["verify_ops"] = decode_op_profile(target, clock=clock, tokens=VERIFY_OPS_TOKENS)
+    if getattr(target, "layout", None) is not None and target.layout.fused:  # the same step op by op
+        from dflash.engine.target import TargetModel
+
+        apart = TargetModel(target.model, kernels=target.kernels, precision=target.precision, gguf=target.gguf,
+                            fuse=False)
+        out["unfused_ops"] = [decode_op_profile(apart, clock=clock, tokens=n) for n in (1, VERIFY_OPS_TOKENS)]
     say(f"  [{target.kernels}] verify curve ...")
     out["target_curve"] = target_cost_curve(target, TARGET_NS, tuple(args.contexts), args.repeats,
                                             draft.config.target_layer_ids, clock=clock)
@@ -282,8 +298,11 @@ def run_profile_command(args) -> int:
     load_s = time.perf_counter() - start
     ids = pipe.encode_chat([{"role": "user", "content": PROFILE_PROMPT}])
     time_draft_kernels(pipe.target, pipe.draft)
+    from dflash.bench.methods import rss_bytes
+
     result = {"machine": machine_info(pipe.target.kernel_info()), "clock": args.clock, "kernels": kernels,
-              "load_s": round(load_s, 2), "draft": pipe.draft_path or "random (untrained)"}
+              "load_s": round(load_s, 2), "draft": pipe.draft_path or "random (untrained)",
+              "precision": pipe.target.precision_info(), "rss_mb": round(rss_bytes() / 2**20)}
     say(f"kernels {kernels}: {pipe.target.kernel_info().get('measure_s', 0)} s measuring at load")
     say(f"step profile with the {'shipped' if pipe.draft_trained else 'random'} draft ...")
     result["steps"] = [profile_steps(None, pipe.target, ids, 1, args.max_new_tokens, clock).to_dict()]

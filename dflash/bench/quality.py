@@ -63,9 +63,10 @@ def measure(model, tokenizer, stop, gguf, prompts: list[list[int]], texts: list[
         info = target.precision_info()
         ref = outputs.get("fp32", outs)
         agree = [agreement(r, o) for r, o in zip(ref, outs)]
+        differ = sorted(a for a, r, o in zip(agree, ref, outs) if r != o)
         rows.append({"precision": precision, "source": info.get("source"), "weights_mb": info.get("mb"),
                      "agree_tokens": agree, "identical": sum(r == o for r, o in zip(ref, outs)),
-                     "prompts": len(outs), "median_agree": sorted(agree)[len(agree) // 2],
+                     "prompts": len(outs), "median_agree": differ[len(differ) // 2] if differ else None,
                      "perplexity": round(math.exp(nll_sum / max(count, 1)), 4), "scored_tokens": count,
                      "load_s": round(load_s, 1)})
         say(f"{precision}: perplexity {rows[-1]['perplexity']}, identical to fp32 {rows[-1]['identical']}/{len(outs)}, "
@@ -74,11 +75,12 @@ def measure(model, tokenizer, stop, gguf, prompts: list[list[int]], texts: list[
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| precision | weights from | MB | perplexity | answers identical to fp32 | median tokens until the first difference |",
+    lines = ["| precision | weights from | MB | perplexity | answers identical to fp32 | where the others first differ (median token) |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['precision']} | {r['source']} | {r['weights_mb'] if r['weights_mb'] is not None else '-'} "
-                     f"| {r['perplexity']:.3f} | {r['identical']}/{r['prompts']} | {r['median_agree']} |")
+                     f"| {r['perplexity']:.3f} | {r['identical']}/{r['prompts']} | "
+                     f"{r['median_agree'] if r['median_agree'] is not None else '-'} |")
     return "\n".join(lines)
 
 

@@ -169,12 +169,25 @@ def write_plots(summaries: list[Summary], baseline: str, folder: Path) -> list[P
 STEP_PARTS = ("draft_forward", "draft_head", "verify_forward", "verify_head", "host")
 
 
+OP_GROUPS = ("matmul", "attention", "layer", "other")  # bench/profile.py's grouping of a pass's ops
+
+
+def _precision_lines(result: dict) -> list[str]:
+    p = result.get("precision")
+    if not p:
+        return []
+    where = f", weights from {p['source']}" + (f", {p['mb']} MB" if p.get("mb") is not None else "")
+    return [f"Target precision: **{p['precision']}**{where}; resident memory after loading target and draft: "
+            f"{result.get('rss_mb', '?')} MB.", ""]
+
+
 def profile_markdown(result: dict) -> str:
     o = result["overhead"]
     m = result["machine"]
     cpu = f"{m['cpu']} ({m.get('cpus', '?')} cores), " if m.get("cpu") else ""
     lines = [f"Machine: {cpu}{m['threads']} torch threads, load average "
              f"{_load(result['machine'])}; clock: {result.get('clock', 'wall')}; draft: {result['draft']}.", "",
+             *_precision_lines(result),
              f"**Engine overhead** (random draft, tau {o['tokens_per_step']:.2f}): one block-{o['block_size']} step "
              f"{o['block_step_ms']:.1f} ms vs one plain decode step {o['plain_step_ms']:.1f} ms: "
              f"**{o['ratio']:.2f}x** (a bare {o['block_size']}-token target forward: {o['bare_forward_ratio']:.2f}x).",
@@ -262,8 +275,8 @@ def comparison_markdown(by_kernels: dict) -> str:
     row(f"block-{by_kernels[modes[0]]['overhead']['block_size']} step, random draft (ms)",
         lambda r: f"{r['overhead']['block_step_ms']:.1f}")
     row("step ratio (block / plain)", lambda r: f"{r['overhead']['ratio']:.2f}x")
-    row("decode step, profiled: matmul / attention / other ms",
-        lambda r: " / ".join(f"{r['decode_ops']['groups_ms'][g]:.1f}" for g in ("matmul", "attention", "other")))
+    row("decode step, profiled: matmul / attention / native layer / other ms",
+        lambda r: " / ".join(f"{r['decode_ops']['groups_ms'].get(g, 0.0):.1f}" for g in OP_GROUPS))
     row("decode step: ops per step", lambda r: f"{r['decode_ops']['ops_per_step']:.0f}")
     row("adapter's extra weight copies (MB)", lambda r: f"{r['kernels'].get('extra_mb', 0):.0f}")
     from dflash.engine.costmodel import CostModel
@@ -282,12 +295,22 @@ def comparison_markdown(by_kernels: dict) -> str:
         row(f"break-even tau, block {b}", lambda r, j=j: f"{r['cost_model']['break_even_tau'][j]:.2f}")
     out = ["Kernel settings side by side (the same model, machine and run):", "", *lines, ""]
     for m in modes:
-        ops = by_kernels[m]["decode_ops"]
-        out += [f"Decode step ops with kernels={m} (context {ops['context']}; {ops['step_ms']:.1f} ms a step outside "
-                f"the profiler, {ops['profiled_ms']:.1f} ms of op self time inside it), ms per step:", "",
-                "| op | ms | calls |", "|---|---|---|"]
-        out += [f"| {o['op']} | {o['ms']:.2f} | {o['calls']:.0f} |" for o in ops["ops"]]
-        out.append("")
+        r = by_kernels[m]
+        for ops in [r["decode_ops"]] + ([r["verify_ops"]] if "verify_ops" in r else []):
+            what = "Decode step" if ops.get("tokens", 1) == 1 else f"{ops['tokens']}-token verify pass"
+            out += [f"{what} ops with kernels={m} (context {ops['context']}; {ops['step_ms']:.1f} ms a pass outside "
+                    f"the profiler, {ops['profiled_ms']:.1f} ms of op self time inside it; "
+                    + ", ".join(f"{g} {ops['groups_ms'].get(g, 0.0):.1f}" for g in OP_GROUPS) + "), ms per pass:", "",
+                    "| op | ms | calls |", "|---|---|---|"]
+            out += [f"| {o['op']} | {o['ms']:.2f} | {o['calls']:.0f} |" for o in ops["ops"]]
+            out.append("")
+        if r.get("unfused_ops"):
+            out += ["The same passes op by op (the layer not fused into one native call), ms per pass:", "",
+                    "| tokens | pass | " + " | ".join(OP_GROUPS) + " |", "|---|---|" + "---|" * len(OP_GROUPS)]
+            out += [f"| {o['tokens']} | {o['step_ms']:.1f} | " + " | ".join(f"{o['groups_ms'].get(g, 0.0):.1f}"
+                                                                          for g in OP_GROUPS) + " |"
+                    for o in r["unfused_ops"]]
+            out.append("")
     return "\n".join(out)
 
 

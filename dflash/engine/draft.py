@@ -18,7 +18,6 @@ from dflash.engine.cache import DraftCache
 from dflash.engine.config import ConfigError, DFlashConfig
 from dflash.engine.errors import CheckpointError
 from dflash.engine.io import atomic_folder
-from dflash.engine.target import AdapterSlot
 
 class LayerKernels(NamedTuple):
     """One draft layer's products as measured kernels: q on the block; k and v on [context ;
@@ -172,9 +171,6 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
         self.apply(self._init_weights)
-        # the adapter of the HF target this draft was last run with, reused by the next call
-        # that passes the same bare model (engine/target.py)
-        self.target_slot = AdapterSlot()
 
     @staticmethod
     def _init_weights(m):

@@ -140,7 +140,7 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     `proposer`: a Proposer, or a name of `proposers.PROPOSERS` ("draft", the default: the draft's
     chain; "tree", "suffix", "hybrid"); `policy` (default: `ThresholdPolicy`) cuts chains;
     `cost_model` (engine/costmodel.py) sizes trees; `timer` is the profiling seam."""
-    target = as_target(target, getattr(draft, "target_slot", None))  # a bare HF model: the draft's adapter
+    target = as_target(target)  # a bare HF model: an adapter running its own modules
     checked = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, draft_threshold,
                           proposer)
     block_size, max_new_tokens = checked.block_size, checked.max_new_tokens

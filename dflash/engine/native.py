@@ -7,7 +7,7 @@ engine runs its torch kernels (`available()` says which, `problem()` why).
     torch.ops.dflash_lowbit.qmm(x, u, d, m, n, bits)    # (..., K) fp32 -> (..., N) fp32
     torch.ops.dflash_lowbit.attend(q, k, v, past, mask, scale)
     torch.ops.dflash_lowbit.quantize(x)                 # int8 per row and 32-value block
-    torch.ops.dflash_lowbit.llama_layer(...)            # a whole Llama layer (csrc/layer.cpp)
+    torch.ops.dflash_lowbit.llama_forward(...)          # every Llama layer in one call (csrc/layer.cpp)
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def problem() -> str | None:
 
 
 def fast_path() -> bool:
-    """The kernels run their AVX-512 VNNI code here (else their portable C++ code)."""
+    """The kernels run their AVX-512 VNNI code here (else their portable C++ code; set
+    $DFLASH_NATIVE_PORTABLE to run the portable code on any CPU)."""
     return available() and bool(torch.ops.dflash_lowbit.fast_path())
 
 

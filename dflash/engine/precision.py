@@ -38,12 +38,13 @@ class PrecisionError(ValueError):
 
 def resolve(precision: str, model, gguf: Path | None = None) -> str:
     """The precision `precision` means for `model` (loaded from `gguf` when given): `auto` is
-    the GGUF's own formats where the engine reads them, else the checkpoint's dtype."""
+    the GGUF's own formats where the engine reads them and its kernels have their fast code on
+    this CPU (AVX-512 VNNI), else the checkpoint's dtype."""
     if precision not in PRECISIONS:
         raise PrecisionError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision != "auto":
         return precision
-    if gguf is not None and native.available():
+    if gguf is not None and native.fast_path():
         found = gguf_formats(gguf)
         for name, (layers, head) in FORMATS.items():
             if found == {layers, head} or found == {layers}:
@@ -129,7 +130,9 @@ class PrecisionLayout:
     `Projections` static_decoder runs (the same at every n: no per-bucket kernels, so no row
     depends on the bucket), `head(hidden)` the logits."""
 
-    def __init__(self, model, precision: str, gguf: Path | None = None):
+    def __init__(self, model, precision: str, gguf: Path | None = None, fuse: bool = True):
+        """`fuse`: run a Llama layer as one native call where it can (False: op by op, as the
+        profile's split of a step into products, attention and the rest)."""
         self.precision = precision
         self.source = "fp32 weights"
         blocks = None
@@ -165,13 +168,13 @@ class PrecisionLayout:
             raise PrecisionError(f"precision {precision} covers an lm_head without bias")
         self.head = make([head.weight], ["lm_head"], None, head_fmt)
         scale = model.model.layers[0].self_attn.scaling
-        fused = _fusable(model, self.layers)
+        fused = fuse and _fusable(model, self.layers)
         self._projections = [
             Projections(_split(w.qkv, w.sizes[0]), w.o, mlp_fn(_split(w.gate_up, w.sizes[1]), w.down, layer.mlp.act_fn),
-                        norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm), _attend(scale),
-                        _whole_layer(model, w, layer, scale) if fused else None)
+                        norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm), _attend(scale))
             for w, layer in zip(self.layers, model.model.layers)]
         self.fused = fused
+        self.whole = _whole_model(model, self.layers, scale) if fused else None  # every layer in one call
 
     def for_tokens(self, n: int) -> list[Projections]:
         return self._projections
@@ -195,7 +198,7 @@ class PrecisionLayout:
 
 
 def _fusable(model, layers: list[LayerWeights]) -> bool:
-    """The whole layer can run as one native call (csrc/layer.cpp): a Llama layer (RMSNorm,
+    """The layers can run as one native call (csrc/layer.cpp): Llama layers (RMSNorm,
     SiLU, no q/k norms) whose products are all block weights with no padded rows."""
     first = model.model.layers[0]
     return (type(first.input_layernorm).__name__ in ("LlamaRMSNorm", "MistralRMSNorm")
@@ -204,19 +207,23 @@ def _fusable(model, layers: list[LayerWeights]) -> bool:
                     for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)))
 
 
-def _whole_layer(model, w: LayerWeights, layer, scale: float):
-    op = torch.ops.dflash_lowbit.llama_layer
-    weights = [t for lin in (w.qkv, w.o, w.gate_up, w.down) for t in (lin.u, lin.d, lin.m)]
-    bits = [lin.bits for lin in (w.qkv, w.o, w.gate_up, w.down)]
-    norms = torch.stack([layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]).float()
-    eps, heads = float(layer.input_layernorm.variance_epsilon), model.config.num_attention_heads
+def _whole_model(model, layers: list[LayerWeights], scale: float):
+    op = torch.ops.dflash_lowbit.llama_forward
+    lins = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
+    weights = [t for lin in lins for t in (lin.u, lin.d, lin.m)]
+    bits = [lin.bits for lin in lins]
+    norms = torch.stack([torch.stack([layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()])
+                         for layer in model.model.layers]).float().contiguous()  # (L, 2, H)
+    first = model.model.layers[0].input_layernorm
+    eps, heads = float(first.variance_epsilon), model.config.num_attention_heads
 
-    def run(x, cos, sin, kv, i, tree):
-        """x (1, T, H) -> (1, T, H), the layer's K/V written at kv.length.."""
+    def run(x, cos, sin, kv, tree, keep: list[int]):
+        """x (1, T, H) -> (x after the last layer, [x after each layer of `keep`]), each (1, T, H);
+        every layer's K/V written at kv.length.."""
         t = x.shape[1]
-        y = op(x.reshape(t, -1).contiguous(), weights, bits, norms, eps, cos.contiguous(), sin.contiguous(),
-               kv.k[i, 0], kv.v[i, 0], kv.length, tree, scale, heads)
-        return y.view(1, t, -1)
+        out = op(x.reshape(t, -1).contiguous(), weights, bits, norms, eps, cos.contiguous(), sin.contiguous(),
+                 kv.k, kv.v, kv.length, tree, scale, heads, keep)
+        return out[0].view(1, t, -1), [f.view(1, t, -1) for f in out[1:]]
 
     return run
 

@@ -118,7 +118,6 @@ class Projections(NamedTuple):
     norm1: Callable  # the layer's input RMSNorm
     norm2: Callable  # its post-attention RMSNorm
     attend: Callable | None = None  # (q (T, NH, D), keys, values (KV, S, D), past, tree) -> (T, NH, D); None: SDPA
-    layer: Callable | None = None  # the whole layer in one call: (x, cos, sin (T, D), kv, layer, tree) -> x
 
 
 # RMSNorms whose forward is Llama's (x * rsqrt(mean(x^2) + eps), times the weight): in fp32,

@@ -21,7 +21,7 @@ import torch
 from dflash.engine.request import SamplingParams
 from dflash.engine.sampling import probabilities, sample
 from dflash.engine.suffix import GlobalSuffixIndex, SuffixIndex
-from dflash.engine.target import TargetModel
+from dflash.engine.target import HeadRows, TargetModel
 from dflash.engine.timing import NULL_TIMER, NullTimer
 from dflash.engine.tree import Candidate, TokenTree, TreeBuilder
 
@@ -73,9 +73,9 @@ class DraftHead:
     rows of the ids the text brought in (`widened`: the prompt's and the output's ids outside
     the vocabulary, so a name the prompt spells or the answer repeats can be proposed)."""
     ids: torch.Tensor | None = None  # (K,) vocabulary ids of the rows, None = the full head
-    rows: torch.Tensor | None = None  # (K, H)
+    rows: HeadRows | None = None  # their K rows of the lm_head, in the adapter's layout
     extra_ids: torch.Tensor | None = None  # (E,) ids the text brought in, none of them in `ids`
-    extra_rows: torch.Tensor | None = None  # (E, H)
+    extra_rows: HeadRows | None = None  # their E rows
     known: frozenset[int] = frozenset()  # ids and extra_ids, for `widened`'s membership test
     columns: torch.Tensor | None = None  # (K + E,) ids then extra_ids, built once per widening
 
@@ -104,9 +104,9 @@ class DraftHead:
         if not new:
             return self
         ids = torch.tensor(new, dtype=torch.long, device=self.ids.device)  # (E',)
-        rows = target.head.weight.detach().index_select(0, ids)  # (E', H)
         if self.extra_ids is not None:
-            ids, rows = torch.cat([self.extra_ids, ids]), torch.cat([self.extra_rows, rows])
+            ids = torch.cat([self.extra_ids, ids])
+        rows = target.head_rows(ids, measured=False)  # (E, H): a request's own, F.linear
         return DraftHead(self.ids, self.rows, ids, rows, self.known | frozenset(new), torch.cat([self.ids, ids]))
 
     def logits(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -137,15 +137,17 @@ class DraftProposer(Proposer):
 
     def __init__(self, draft: DFlashDraftModel, target: TargetModel, params: SamplingParams, mask_id: int,
                  generator: torch.Generator | None = None, window: int | None = None, timer: NullTimer = NULL_TIMER,
-                 head: DraftHead | None = None, context_vocab: bool = True):
-        """`head`: the rows the draft proposes from (default: its own draft vocabulary's)."""
+                 head: DraftHead | None = None, context_vocab: bool = True, layout=None):
+        """`head`: the rows the draft proposes from (default: its own draft vocabulary's);
+        `layout`: the draft's linears in the target's layout (`TargetModel.draft_layout`, kept by
+        the caller; None: built now)."""
         self.draft, self.target, self.params, self.mask_id = draft, target, params, mask_id
         self.generator, self.timer = generator, timer
         self.layer_ids = draft.config.target_layer_ids  # the target layers whose outputs are the context
         self.cache = draft.new_cache(window)
         self.head = head if head is not None else DraftHead.build(draft, target)
         self.context_vocab = context_vocab
-        self.layout = target.draft_layout(draft)  # the draft's linears as measured kernels (None: its modules)
+        self.layout = layout if layout is not None else target.draft_layout(draft)  # None: the draft's modules
 
     def start(self, prompt: Sequence[int]) -> None:
         if self.context_vocab:
@@ -452,17 +454,20 @@ PROPOSERS = ("draft", "tree", "suffix", "hybrid")
 def build_proposer(kind: str, draft: DFlashDraftModel | None, target: TargetModel, params: SamplingParams,
                    mask_id: int | None, generator: torch.Generator | None = None, window: int | None = None,
                    timer: NullTimer = NULL_TIMER, cost_model=None, block_size: int = 16,
-                   global_index: GlobalSuffixIndex | None = None, state: TreeState | None = None) -> Proposer:
+                   global_index: GlobalSuffixIndex | None = None, state: TreeState | None = None,
+                   layout=None) -> Proposer:
     """A proposer by name: "draft" (the DFlash draft's chain), "tree" (a tree over the draft's
     top-k), "suffix" (n-gram matches of the prompt and the text so far, no draft), "hybrid"
     (both in one tree). `cost_model` (engine/costmodel.py) sizes each tree by expected tokens
     per second; without one a tree keeps its fixed node budget. `state`: a tree's learned state
-    carried over from earlier requests (`TreeState`; None: a fresh one)."""
+    carried over from earlier requests (`TreeState`; None: a fresh one). `layout`: the draft's
+    layout the caller keeps (`TargetModel.draft_layout`; None: built now)."""
     if kind not in PROPOSERS:
         raise ValueError(f"unknown proposer {kind!r}: use one of {', '.join(PROPOSERS)}")
     if draft is None and kind != "suffix":
         raise ValueError(f"the {kind!r} proposer needs a draft model")
-    drafter = DraftProposer(draft, target, params, mask_id, generator, window, timer) if draft is not None else None
+    drafter = (DraftProposer(draft, target, params, mask_id, generator, window, timer, layout=layout)
+               if draft is not None else None)
     if kind == "draft":
         return drafter
     verify_cost = None if cost_model is None else cost_model.verify_ms

@@ -111,13 +111,11 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     layer_ids = layer_ids or []
     feats = []
     projs = linears.for_tokens(b * t) if linears is not None else None  # the kernels of this token count
-    for i, layer in enumerate(base.layers):
+    whole = getattr(linears, "whole", None)  # every layer in one native call (engine/precision.py)
+    if whole is not None:
+        x, feats = whole(x, cos[0, 0], sin[0, 0], kv, tree_mask, sorted(set(layer_ids)))
+    for i, layer in enumerate(base.layers if whole is None else []):
         p = projs[i] if projs is not None else None
-        if p is not None and p.layer is not None:  # the adapter runs the whole layer in one call
-            x = p.layer(x, cos[0, 0], sin[0, 0], kv, i, tree_mask)
-            if i in layer_ids:
-                feats.append(x)
-            continue
         h = layer.input_layernorm(x) if p is None else p.norm1(x)
         x = x + _attention(layer.self_attn, h, cos, sin, mask, kv, i, p, tree_mask)
         h = layer.post_attention_layernorm(x) if p is None else p.norm2(x)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,13 +22,29 @@ from dflash.engine.request import TargetInfo, check_pair
 HEAD_ROWS_KEPT = 4  # draft vocabularies whose head rows an adapter keeps built
 
 
+@dataclass(frozen=True)
+class HeadRows:
+    """Some rows of the target's lm_head (a draft vocabulary's), in the adapter's layout:
+    `weight` (K, H) and the kernel that runs them (`linear`; None: F.linear on `weight`)."""
+    ids: tuple[int, ...]
+    weight: torch.Tensor  # (K, H)
+    linear: kernel_choice.Linear | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> (..., K); the differentiable product where autograd must see it
+        (the measured kernels are inference kernels)."""
+        if self.linear is None or (torch.is_grad_enabled() and hidden.requires_grad):
+            return F.linear(hidden, self.weight)
+        return self.linear(hidden)
+
+
 class TargetModel:
     """Wraps an HF `*ForCausalLM`: embedding and lm_head for the draft, and forward passes
     that return logits plus the chosen layers' hidden states, on a cache that rolls back."""
 
     def __init__(self, model: nn.Module, static: bool | None = None, kernels: str = "auto",
                  time_fn: kernel_choice.TimeFn | None = None, stacking: bool = True,
-                 precision: str = "auto", gguf: str | Path | None = None):
+                 precision: str = "auto", gguf: str | Path | None = None, fuse: bool = True):
         """`static`: run Llama-family targets through `static_decoder` on a preallocated KV
         buffer (same numbers, less per-step work); None = whenever the model supports it.
         `kernels`: "auto" times the matrix-product candidates of every linear shape and of the
@@ -44,7 +60,8 @@ class TargetModel:
         stacked where that measures faster (engine/projections.py; False: never, for A/B runs).
         `precision`: the numbers the target's step computes (engine/precision.py): "fp32" (HF's,
         on the kernels above), "bf16", "int8", "int4", or "auto", the precision the weights ship
-        in: `gguf`'s own blocks when the model was loaded from that GGUF, else the model's dtype."""
+        in: `gguf`'s own blocks when the model was loaded from that GGUF, else the model's dtype.
+        `fuse`: below fp32, a Llama layer runs as one native call (False: op by op, for profiles)."""
         if kernels not in kernel_choice.MODES:
             raise ValueError(f"kernels must be one of {kernel_choice.MODES}, got {kernels!r}")
         if isinstance(model, TargetModel):
@@ -76,7 +93,7 @@ class TargetModel:
         precisions.check(self.precision, model, self.static)
         self.layout: precisions.PrecisionLayout | None = None  # the decoder and lm_head below fp32
         if self.precision != "fp32":
-            self.layout = precisions.PrecisionLayout(model, self.precision, self.gguf)
+            self.layout = precisions.PrecisionLayout(model, self.precision, self.gguf, fuse)
         self._build_kernels(kernels, time_fn, stacking)
 
     def _build_kernels(self, kernels: str, time_fn, stacking: bool = True) -> None:
@@ -88,9 +105,8 @@ class TargetModel:
         self.linears: projections.DecoderLinears | None = None  # static_decoder.forward(..., linears=)
         self._head: kernel_choice.Linear | None = None
         # draft vocabularies' head rows, built once per vocabulary (a request's proposer asks for
-        # them again): ids -> (rows, their Linear or None), the last HEAD_ROWS_KEPT vocabularies
-        self._rows: dict[tuple[int, ...], tuple[torch.Tensor, kernel_choice.Linear | None]] = {}
-        self._drafts: dict[int, tuple] = {}  # id(draft) -> (weakref to it, its weights' version, its DraftLayout)
+        # them again): the id list -> its HeadRows, the last HEAD_ROWS_KEPT vocabularies
+        self.head_rows_built: dict[tuple[int, ...], HeadRows] = {}
         if self.layout is not None:  # the decoder and the head run the precision's layout
             self.linears, self._head = self.layout, self.layout.head
         if self.kernels == "torch":
@@ -110,8 +126,7 @@ class TargetModel:
         if self.kernel_table is None:
             return {"mode": self.kernels, "precision": self.precision_info()}
         counts = dict(self.linears.counts) if isinstance(self.linears, projections.DecoderLinears) else {}
-        drafts = [lin for ref, _, layout in self._drafts.values() if ref() is not None for lin in layout.linears]
-        for lin in [self._head] + [lin for _, lin in self._rows.values()] + drafts:
+        for lin in [self._head] + [rows.linear for rows in self.head_rows_built.values()]:  # None: F.linear
             if lin is not None:
                 counts[lin.key] = counts.get(lin.key, 0) + 1
         return {**self.kernel_table.to_dict(self.embed_weight.element_size(), counts),
@@ -136,55 +151,49 @@ class TargetModel:
         out = F.embedding(ids, self.embed_weight)  # (B, T, H)
         return out * scale if scale != 1.0 else out
 
-    def logits(self, hidden: torch.Tensor, head_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: (B, T, H) -> (B, T, V), or (B, T, K) over `head_rows` (K, H) of the lm_head.
+    def logits(self, hidden: torch.Tensor, head_rows: HeadRows | None = None) -> torch.Tensor:
+        """hidden: (B, T, H) -> (B, T, V), or (B, T, K) over `head_rows` (`head_rows(ids)`).
         The measured kernels are inference kernels (oneDNN's has no backward): a call autograd
         must see (training a draft through the frozen head) runs the differentiable product."""
         grad = torch.is_grad_enabled() and hidden.requires_grad
         if head_rows is None:
             logits = self.head(hidden) if self._head is None or grad else self._head(hidden)
         else:
-            lin = next((lin for rows, lin in self._rows.values() if rows is head_rows), None) if not grad else None
-            logits = F.linear(hidden, head_rows) if lin is None else lin(hidden)
+            logits = head_rows(hidden)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def head_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The lm_head rows of `ids` (K,) as one (K, H) matrix, for the draft's proposals; with
-        measured kernels, in the layout its kernel wants (`logits(hidden, rows)` then runs
-        that kernel, which may be approximate as the draft's linears are). The same ids give
-        the same tensor: built once, kept for the last HEAD_ROWS_KEPT vocabularies."""
+    def head_rows(self, ids: torch.Tensor, measured: bool = True) -> HeadRows:
+        """The lm_head rows of `ids` (K,), for the draft's proposals; with measured kernels (and
+        `measured`), run by their measured kernel, which may be approximate as the draft's
+        linears are. The same ids give the same HeadRows: built once, kept for the last
+        HEAD_ROWS_KEPT vocabularies (`measured=False`: a few rows for one request, not kept)."""
         if getattr(self.head, "bias", None) is not None:
             raise ValueError("a draft vocabulary needs an lm_head without bias")
         key = tuple(ids.tolist())
-        if key in self._rows:
-            return self._rows[key][0]
+        if key in self.head_rows_built:
+            return self.head_rows_built[key]
         rows = self.head.weight.detach().index_select(0, ids.to(self.head.weight.device)).contiguous()  # (K, H)
-        lin = None
+        if not measured:
+            return HeadRows(key, rows)
+        built = HeadRows(key, rows)
         if self.kernel_table is not None:
             lin = self.kernel_table.linear(rows, None, kernel_choice.HEAD_BUCKETS, role="draft lm_head",
                                            max_copies=kernel_choice.HEAD_MAX_COPIES, approximate=True)
-            rows = lin.weight  # the copy itself when its kernel needs no other layout
-        while len(self._rows) >= HEAD_ROWS_KEPT:
-            self._rows.pop(next(iter(self._rows)))  # the oldest vocabulary
-        self._rows[key] = (rows, lin)
-        return rows
+            built = HeadRows(key, rows if lin.weight is None else lin.weight, lin)
+        while len(self.head_rows_built) >= HEAD_ROWS_KEPT:
+            self.head_rows_built.pop(next(iter(self.head_rows_built)))  # the oldest vocabulary
+        self.head_rows_built[key] = built
+        return built
 
     def draft_layout(self, draft: nn.Module):
         """A draft's linears as this adapter's measured kernels (`draft.kernel_layout`), built
-        once per draft and rebuilt when its weights change (training); None with
-        kernels="torch" (the draft's own modules run)."""
+        now from the draft's current weights (the caller keeps it: a Pipeline builds it once);
+        None with kernels="torch" (the draft's own modules run)."""
         if self.kernel_table is None or not hasattr(draft, "kernel_layout"):
             return None
-        version = _weight_versions(draft)
-        entry = self._drafts.get(id(draft))
-        if entry is not None and entry[0]() is draft and entry[1] == version:
-            return entry[2]
-        layout = draft.kernel_layout(self.kernel_table)
-        self._drafts = {k: v for k, v in self._drafts.items() if v[0]() is not None}
-        self._drafts[id(draft)] = (weakref.ref(draft), version, layout)
-        return layout
+        return draft.kernel_layout(self.kernel_table)
 
     def new_cache(self) -> TargetCache | StaticTargetCache:
         return StaticTargetCache(self.model) if self.static else TargetCache(self.model.config)
@@ -216,42 +225,13 @@ class TargetModel:
         return self.logits(final[:, -logits_to_keep:]), hidden
 
 
-def _weight_versions(model: nn.Module) -> int:
-    """Changes when any parameter is modified in place (torch counts every in-place write), or
-    replaced; an inference-mode tensor has no counter, its storage stands in for it."""
-    out = []
-    for p in model.parameters():
-        try:
-            out.append((p.data_ptr(), p._version))
-        except RuntimeError:
-            out.append((p.data_ptr(), -1))
-    return hash(tuple(out))
-
-
-class AdapterSlot:
-    """The adapter last built for a bare HF model, kept by its owner (a draft keeps one), so
-    that calls passing the same model again (`dflash_generate(draft, hf_model, ...)` in a loop)
-    reuse its weight layout instead of copying the weights each call. Rebuilt when another
-    model comes, a weight of it changed in place, or the thread count changed (the measured
-    kernels depend on it). It keeps that model alive while its owner lives."""
-
-    def __init__(self):
-        self._adapter: TargetModel | None = None
-        self._key: tuple | None = None
-
-    def get(self, model: nn.Module) -> TargetModel:
-        key = (torch.get_num_threads(), _weight_versions(model))
-        if self._adapter is None or self._adapter.model is not model or self._key != key:
-            self._adapter, self._key = TargetModel(model), key
-        return self._adapter
-
-
-def as_target(target, slot: AdapterSlot | None = None) -> TargetModel:
-    """`target` itself when it is a TargetModel; else the adapter of the HF model, from `slot`
-    when one is given (reused while the model and its weights stay the same), else a new one."""
+def as_target(target) -> TargetModel:
+    """`target` itself when it is a TargetModel; else an adapter of the bare HF model that runs
+    its own modules (kernels="torch": nothing measured or copied, so a call costs nothing to
+    set up). Wrap a model once in `TargetModel(model)` for the measured kernels and precisions."""
     if isinstance(target, TargetModel):
         return target
-    return slot.get(target) if slot is not None else TargetModel(target)
+    return TargetModel(target, kernels="torch")
 
 
 def check_compatible(config: DFlashConfig, target: TargetModel) -> None:

@@ -77,6 +77,7 @@ class Pipeline:
     _cost_model: object = field(default=None, repr=False)
     _shared: GlobalSuffixIndex | None = field(default=None, repr=False)
     _tree_states: dict[tuple[str, bool], TreeState] = field(default_factory=dict, repr=False)
+    _draft_layout: object = field(default=None, repr=False)
 
     def block_size(self, spec: SpecSettings | None = None) -> int:
         spec = spec or self.spec
@@ -101,17 +102,24 @@ class Pipeline:
         block = self.block_size(spec)
         cost = self.cost_model() if spec.needs_cost_model and block > 1 else None
         policy = AdaptivePolicy(cost, block) if spec.adaptive_chain and block > 1 else None
-        proposer = spec.proposer
-        if block > 1 and spec.proposer != "draft":
+        proposer = None
+        if block > 1:
             proposer = build_proposer(spec.proposer, self.draft, self.target, params,
                                       self.draft.config.mask_token_id if self.draft is not None else None,
                                       generator, cost_model=cost, block_size=block,
                                       global_index=self.shared_index() if spec.shared_suffix else None,
-                                      state=self.tree_state(spec.proposer, params))
+                                      state=self.tree_state(spec.proposer, params), layout=self.draft_layout())
         stops = self.stop_token_ids if stop_token_ids is None else stop_token_ids
         return stream_generate(self.draft, self.target, input_ids, max_new_tokens, stops, params,
                                block, None, generator, draft_threshold=spec.draft_threshold, proposer=proposer,
                                policy=policy, cost_model=cost)
+
+    def draft_layout(self):
+        """The draft's linears in the target's layout (`TargetModel.draft_layout`), built once
+        for this pipeline's draft and target (None: the draft's own modules run)."""
+        if self._draft_layout is None and self.draft is not None:
+            self._draft_layout = self.target.draft_layout(self.draft) or False
+        return self._draft_layout or None
 
     def tree_state(self, kind: str, params: SamplingParams) -> TreeState:
         """What this pipeline's `kind` trees learned in earlier requests (greedy and sampled

@@ -1,7 +1,8 @@
-// One Llama decoder layer over the new rows of one sequence, at a low-bit precision, in one call:
-// RMSNorm, q/k/v (one stacked product), rotary, the K/V write, attention, o, residual, RMSNorm,
-// gate/up (stacked), SiLU(gate) * up, down, residual. What Python would spend on ~25 small ops
-// a layer is one call; every step is row by row, so a row's bits do not depend on the others.
+// The Llama decoder layers over the new rows of one sequence, at a low-bit precision, in one call.
+// A layer: RMSNorm, q/k/v (one stacked product), rotary, the K/V write, attention, o, residual,
+// RMSNorm, gate/up (stacked), SiLU(gate) * up, down, residual. What Python would spend on ~25
+// small ops a layer, times the layers, is one call; every step is row by row, so a row's bits do
+// not depend on the others.
 #include "lowbit.h"
 
 namespace dflash_lowbit {
@@ -62,65 +63,106 @@ inline void rotate(const float* x, const float* c, const float* s, int64_t dim, 
   for (int64_t d = half; d < dim; ++d) y[d] = x[d] * c[d] + x[d - half] * s[d];
 }
 
-}  // namespace
+// One layer's weights, read from its 12 tensors (u, d, m of q/k/v, o, gate/up, down) and 4 bits.
+struct LayerWeights {
+  Weight qkv, o, gu, down;
+  const float* norms;  // (2, H): the input and post-attention RMSNorms' weights
+};
 
-// x (T, H); weights: [u, d, m] of the q/k/v stack, o, the gate/up stack and down; bits: theirs;
-// norms (2, H): the two RMSNorms' weights; cos, sin (T, D); k_buf, v_buf (KV, S, D): the layer's
-// K/V buffer, written at past..past+T-1; mask (T, T) as attend's. Returns the layer's output (T, H).
-at::Tensor llama_layer(const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits, const at::Tensor& norms,
-                       double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_buf,
-                       const at::Tensor& v_buf, int64_t past, const c10::optional<at::Tensor>& mask, double scale,
-                       int64_t heads) {
-  TORCH_CHECK(weights.size() == 12 && bits.size() == 4, "llama_layer: four weights of three tensors each");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "llama_layer: x (T, H) float32");
-  const int64_t t = x.size(0), h = x.size(1), dim = cos.size(1), groups = k_buf.size(0);
-  const int64_t nq = heads * dim, nkv = groups * dim;
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t && sin.sizes() == cos.sizes(),
-              "llama_layer: cos and sin (T, D)");
-  TORCH_CHECK(k_buf.stride(2) == 1 && k_buf.stride(1) == dim && v_buf.strides() == k_buf.strides() &&
-              k_buf.size(2) == dim && past + t <= k_buf.size(1), "llama_layer: the K/V buffer does not fit");
-  TORCH_CHECK(norms.is_contiguous() && norms.numel() == 2 * h, "llama_layer: norms (2, H)");
-  const int64_t gu_n = weights[7].numel() / (h / QK);
-  const Weight qkv = weight_of(weights[0], weights[1], weights[2], nq + 2 * nkv, h, bits[0]);
-  const Weight o = weight_of(weights[3], weights[4], weights[5], h, nq, bits[1]);
-  const Weight gu = weight_of(weights[6], weights[7], weights[8], gu_n, h, bits[2]);
-  const Weight down = weight_of(weights[9], weights[10], weights[11], h, gu_n / 2, bits[3]);
-  at::Tensor visible;
-  if (mask.has_value() && mask->defined()) {
-    visible = mask->to(at::kBool).contiguous();
-    TORCH_CHECK(visible.size(0) == t && visible.size(1) == t, "llama_layer: mask must be (T, T)");
-  }
-  const float* xp = x.data_ptr<float>();
-  const float* w1 = norms.data_ptr<float>();
-  std::vector<float> hn(t * h), qkv_out(t * (nq + 2 * nkv)), q(t * nq), att(t * nq), proj(t * h),
-      gu_out(t * gu_n), act(t * gu_n / 2);
-  at::Tensor out = at::empty_like(x);
-  float* y = out.data_ptr<float>();
-  float* kb = k_buf.data_ptr<float>();
-  float* vb = v_buf.data_ptr<float>();
-  const int64_t hs = k_buf.stride(0);
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+LayerWeights layer_weights(const at::Tensor* w, const int64_t* bits, const at::Tensor& norms, int64_t h, int64_t nq,
+                           int64_t nkv) {
+  TORCH_CHECK(norms.is_contiguous() && norms.numel() == 2 * h && norms.scalar_type() == at::kFloat,
+              "llama_forward: norms (2, H) float32");
+  const int64_t gu_n = w[7].numel() / (h / QK);
+  return LayerWeights{weight_of(w[0], w[1], w[2], nq + 2 * nkv, h, bits[0]), weight_of(w[3], w[4], w[5], h, nq, bits[1]),
+                      weight_of(w[6], w[7], w[8], gu_n, h, bits[2]), weight_of(w[9], w[10], w[11], h, gu_n / 2, bits[3]),
+                      norms.data_ptr<float>()};
+}
 
-  rms_norm_rows(xp, t, h, w1, (float)eps, hn.data());
-  qmm_into(hn.data(), t, qkv, qkv_out.data());
+// The shapes of a pass and the new rows' place in the K/V buffer.
+struct Pass {
+  int64_t t, h, heads, groups, dim, past, head_stride;
+  const float *cos, *sin;  // (T, D)
+  const bool* mask;        // (T, T) or nullptr: causal
+  float eps, scale;
+};
+
+// y (T, H) = the layer on x (T, H); writes the new rows' K and V at past.. of kb, vb (KV, S, D).
+void run_layer(const float* xp, float* y, const LayerWeights& w, const Pass& p, float* kb, float* vb) {
+  const int64_t t = p.t, h = p.h, dim = p.dim, nq = p.heads * dim, nkv = p.groups * dim, gu_n = w.gu.n;
+  std::vector<float> hn(t * h), qkv_out(t * (nq + 2 * nkv)), q(t * nq), att(t * nq), proj(t * h), gu_out(t * gu_n),
+      act(t * gu_n / 2);
+  rms_norm_rows(xp, t, h, w.norms, p.eps, hn.data());
+  qmm_into(hn.data(), t, w.qkv, qkv_out.data());
   for (int64_t r = 0; r < t; ++r) {
     const float* row = qkv_out.data() + r * (nq + 2 * nkv);
-    for (int64_t a = 0; a < heads; ++a) rotate(row + a * dim, cp + r * dim, sp + r * dim, dim, q.data() + r * nq + a * dim);
-    for (int64_t g = 0; g < groups; ++g) {
-      rotate(row + nq + g * dim, cp + r * dim, sp + r * dim, dim, kb + g * hs + (past + r) * dim);
-      std::memcpy(vb + g * hs + (past + r) * dim, row + nq + nkv + g * dim, dim * sizeof(float));
+    const float *c = p.cos + r * dim, *sn = p.sin + r * dim;
+    for (int64_t a = 0; a < p.heads; ++a) rotate(row + a * dim, c, sn, dim, q.data() + r * nq + a * dim);
+    for (int64_t g = 0; g < p.groups; ++g) {
+      rotate(row + nq + g * dim, c, sn, dim, kb + g * p.head_stride + (p.past + r) * dim);
+      std::memcpy(vb + g * p.head_stride + (p.past + r) * dim, row + nq + nkv + g * dim, dim * sizeof(float));
     }
   }
-  attend_into(q.data(), t, heads, dim, kb, vb, groups, hs, past, visible.defined() ? visible.data_ptr<bool>() : nullptr,
-              (float)scale, att.data());
-  qmm_into(att.data(), t, o, proj.data());
+  attend_into(q.data(), t, p.heads, dim, kb, vb, p.groups, p.head_stride, p.past, p.mask, p.scale, att.data());
+  qmm_into(att.data(), t, w.o, proj.data());
   for (int64_t i = 0; i < t * h; ++i) y[i] = xp[i] + proj[i];
-  rms_norm_rows(y, t, h, w1 + h, (float)eps, hn.data());
-  qmm_into(hn.data(), t, gu, gu_out.data());
+  rms_norm_rows(y, t, h, w.norms + h, p.eps, hn.data());
+  qmm_into(hn.data(), t, w.gu, gu_out.data());
   silu_mul_rows(gu_out.data(), t, gu_n / 2, act.data());
-  qmm_into(act.data(), t, down, proj.data());
+  qmm_into(act.data(), t, w.down, proj.data());
   for (int64_t i = 0; i < t * h; ++i) y[i] += proj[i];
+}
+
+Pass pass_of(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t groups, int64_t past,
+             const at::Tensor& visible, double eps, double scale, int64_t heads, int64_t head_stride) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "llama_forward: x (T, H) float32");
+  const int64_t t = x.size(0);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t && sin.sizes() == cos.sizes() &&
+              cos.scalar_type() == at::kFloat, "llama_forward: cos and sin (T, D) float32");
+  TORCH_CHECK(!visible.defined() || (visible.size(0) == t && visible.size(1) == t), "llama_forward: mask must be (T, T)");
+  return Pass{t, x.size(1), heads, groups, cos.size(1), past, head_stride, cos.data_ptr<float>(), sin.data_ptr<float>(),
+              visible.defined() ? visible.data_ptr<bool>() : nullptr, (float)eps, (float)scale};
+}
+
+at::Tensor visible_of(const c10::optional<at::Tensor>& mask) {
+  return mask.has_value() && mask->defined() ? mask->to(at::kBool).contiguous() : at::Tensor();
+}
+
+void check_buffer(const at::Tensor& k, const at::Tensor& v, int64_t dim, int64_t end) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && k.stride(-1) == 1 && k.stride(-2) == dim && v.strides() == k.strides() &&
+              v.sizes() == k.sizes() && k.size(-1) == dim && end <= k.size(-2), "llama_forward: the K/V buffer does not fit");
+}
+
+}  // namespace
+
+// Every Llama layer in one call. x (T, H); weights: per layer the [u, d, m] of its q/k/v stack,
+// o, gate/up stack and down, bits: theirs; norms (L, 2, H): each layer's two RMSNorm weights;
+// cos, sin (T, D); k_all, v_all (L, 1, KV, S, D): the K/V buffer, written at past..past+T-1;
+// mask (T, T) as attend's. Returns [x after the last layer, x after each layer of `keep`].
+std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits,
+                                      const at::Tensor& norms, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                                      const at::Tensor& k_all, const at::Tensor& v_all, int64_t past,
+                                      const c10::optional<at::Tensor>& mask, double scale, int64_t heads,
+                                      at::IntArrayRef keep) {
+  const int64_t layers = norms.size(0);
+  TORCH_CHECK(k_all.dim() == 5 && k_all.size(0) == layers && k_all.size(1) == 1, "llama_forward: k_all (L, 1, KV, S, D)");
+  TORCH_CHECK((int64_t)weights.size() == 12 * layers && (int64_t)bits.size() == 4 * layers,
+              "llama_forward: 12 weights and 4 bits a layer");
+  const at::Tensor visible = visible_of(mask);
+  const Pass p = pass_of(x, cos, sin, k_all.size(2), past, visible, eps, scale, heads, k_all.stride(2));
+  check_buffer(k_all, v_all, p.dim, past + p.t);
+  std::vector<at::Tensor> out(1 + keep.size());
+  at::Tensor a = x.clone(), b = at::empty_like(x);
+  for (int64_t l = 0; l < layers; ++l) {
+    const LayerWeights w = layer_weights(weights.data() + 12 * l, bits.data() + 4 * l, norms[l], p.h,
+                                         heads * p.dim, p.groups * p.dim);
+    run_layer(a.data_ptr<float>(), b.data_ptr<float>(), w, p, k_all[l][0].data_ptr<float>(),
+              v_all[l][0].data_ptr<float>());
+    std::swap(a, b);
+    for (size_t j = 0; j < keep.size(); ++j)
+      if (keep[j] == l) out[1 + j] = a.clone();
+  }
+  out[0] = a;
   return out;
 }
 

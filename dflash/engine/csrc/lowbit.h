@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -18,8 +19,11 @@ constexpr int64_t QK = 32;  // weights per block
 constexpr int64_t NC = 16;  // output columns per tile
 constexpr int MR = 8;       // rows per register pass
 
+// The AVX-512 VNNI code runs where the CPU has it, unless $DFLASH_NATIVE_PORTABLE is set (the
+// portable code everywhere: how the tests check it on such a CPU).
 inline bool has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  static const bool ok = std::getenv("DFLASH_NATIVE_PORTABLE") == nullptr &&
+                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                          __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   return ok;
@@ -69,9 +73,10 @@ at::Tensor qmm(const at::Tensor& x, const at::Tensor& u, const at::Tensor& d, co
 std::vector<at::Tensor> quantize(const at::Tensor& x);
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past,
                   const c10::optional<at::Tensor>& mask, double scale);
-at::Tensor llama_layer(const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits, const at::Tensor& norms,
-                       double eps, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_buf,
-                       const at::Tensor& v_buf, int64_t past, const c10::optional<at::Tensor>& mask, double scale,
-                       int64_t heads);
+std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits,
+                                      const at::Tensor& norms, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                                      const at::Tensor& k_all, const at::Tensor& v_all, int64_t past,
+                                      const c10::optional<at::Tensor>& mask, double scale, int64_t heads,
+                                      at::IntArrayRef keep);
 
 }  // namespace dflash_lowbit

@@ -15,8 +15,8 @@ TORCH_LIBRARY(dflash_lowbit, lib) {
   lib.def("qmm(Tensor x, Tensor u, Tensor d, Tensor m, int n, int bits) -> Tensor");
   lib.def("quantize(Tensor x) -> Tensor[]");
   lib.def("attend(Tensor q, Tensor k, Tensor v, int past, Tensor? mask, float scale) -> Tensor");
-  lib.def("llama_layer(Tensor x, Tensor[] weights, int[] bits, Tensor norms, float eps, Tensor cos, Tensor sin, "
-          "Tensor(a!) k_buf, Tensor(b!) v_buf, int past, Tensor? mask, float scale, int heads) -> Tensor");
+  lib.def("llama_forward(Tensor x, Tensor[] weights, int[] bits, Tensor norms, float eps, Tensor cos, Tensor sin, "
+          "Tensor(a!) k_all, Tensor(b!) v_all, int past, Tensor? mask, float scale, int heads, int[] keep) -> Tensor[]");
   lib.def("fast_path() -> bool", fast_path);
 }
 
@@ -24,5 +24,5 @@ TORCH_LIBRARY_IMPL(dflash_lowbit, CPU, lib) {
   lib.impl("qmm", qmm);
   lib.impl("quantize", quantize);
   lib.impl("attend", attend);
-  lib.impl("llama_layer", llama_layer);
+  lib.impl("llama_forward", llama_forward);
 }
