@@ -161,14 +161,14 @@ def test_the_drafts_linear_shapes_are_timed_for_the_table(tmp_path, monkeypatch)
     shapes = bp.time_draft_kernels(target, draft)
     fc = f"{draft.fc.weight.shape[0]}x{draft.fc.weight.shape[1]}"
     assert f"{fc} approx" in shapes and "64x64 approx" in shapes
-    rows = {r["shape"]: r for r in target.kernel_info()["shapes"]}
+    rows = {r["shape"]: r for r in target.kernel_info(target.draft_layout(draft))["shapes"]}
     roles = rows[f"{fc} approx"]["roles"]  # apart from the target's down_proj of that shape
     assert "draft fc" in roles and all(r.startswith("draft ") for r in roles)
     assert rows["64x64 approx"]["roles"] == ["draft q_proj", "draft o_proj"]
     assert rows["64x64"]["weights"] == 8 and rows["64x64 approx"]["weights"] == 2 * len(draft.layers)
     precise = TargetModel(model, kernels="precise", time_fn=fake_timer({"linear": 1.0}))
     assert "64x64" in bp.time_draft_kernels(precise, draft)
-    rows = {r["shape"]: r for r in precise.kernel_info()["shapes"]}
+    rows = {r["shape"]: r for r in precise.kernel_info(precise.draft_layout(draft))["shapes"]}
     assert "draft fc" in rows[fc]["roles"]  # its shape may be a target shape too (down_proj here)
     assert rows["64x64"]["weights"] == 8 + 2 * len(draft.layers)  # the target's q, o and the draft's, applied
     assert bp.time_draft_kernels(TargetModel(model, kernels="torch"), draft) == []

@@ -300,7 +300,8 @@ def run_profile_command(args) -> int:
     time_draft_kernels(pipe.target, pipe.draft)
     from dflash.bench.methods import rss_bytes
 
-    result = {"machine": machine_info(pipe.target.kernel_info()), "clock": args.clock, "kernels": kernels,
+    result = {"machine": machine_info(pipe.target.kernel_info(pipe.draft_layout())), "clock": args.clock,
+              "kernels": kernels,
               "load_s": round(load_s, 2), "draft": pipe.draft_path or "random (untrained)",
               "precision": pipe.target.precision_info(), "rss_mb": round(rss_bytes() / 2**20)}
     say(f"kernels {kernels}: {pipe.target.kernel_info().get('measure_s', 0)} s measuring at load")

@@ -120,7 +120,9 @@ def results_json(args, pipe, prompts, records, sums, mismatches, notes) -> dict:
         d["prompt"] = {"messages": p.messages, "text": p.text}
         recs.append(d)
     return {"command": "dflash " + shlex.join(sys.argv[1:]) if args is not None else None,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine_info(pipe.target.kernel_info() if hasattr(pipe.target, "kernel_info") else None),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine_info(pipe.target.kernel_info(pipe.draft_layout()) if hasattr(pipe.target, "kernel_info")
+                                    else None),
             "draft": pipe.draft_path or "random (untrained)", "draft_trained": pipe.draft_trained,
             "settings": {k: v for k, v in vars(args).items() if k != "func"} if args is not None else None,
             "notes": notes, "mismatches": [vars(m) for m in mismatches],
@@ -228,7 +230,7 @@ def _write_outputs(args, pipe, prompts, records, sums, mismatches, notes, consol
     if args.markdown:
         path = Path(args.markdown)
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = (markdown_machine(machine_info(pipe.target.kernel_info())) + "\n" + markdown_table(sums)
+        text = (markdown_machine(machine_info(pipe.target.kernel_info(pipe.draft_layout()))) + "\n" + markdown_table(sums)
                 + "\nWhat each pass verified, and where the accepted proposals came from:\n\n" + markdown_sources(sums)
                 + "\nPer-position acceptance:\n\n" + markdown_positions(sums))
         if args.profile_json:

@@ -120,13 +120,15 @@ class TargetModel:
             self._head = self.kernel_table.linear(self.head.weight, self.head.bias, kernel_choice.HEAD_BUCKETS,
                                                   role="lm_head", max_copies=kernel_choice.HEAD_MAX_COPIES)
 
-    def kernel_info(self) -> dict:
+    def kernel_info(self, draft_layout=None) -> dict:
         """The kernel table for reports: mode, and per weight shape its roles, the kernel per
-        bucket, the measured times, and the MB the adapter's copies cost."""
+        bucket, the measured times, and the MB the adapter's copies cost (with a draft's layout,
+        `draft_layout(draft)`, its weights counted too)."""
         if self.kernel_table is None:
             return {"mode": self.kernels, "precision": self.precision_info()}
         counts = dict(self.linears.counts) if isinstance(self.linears, projections.DecoderLinears) else {}
-        for lin in [self._head] + [rows.linear for rows in self.head_rows_built.values()]:  # None: F.linear
+        drafts = list(draft_layout.linears) if draft_layout is not None else []
+        for lin in [self._head] + [rows.linear for rows in self.head_rows_built.values()] + drafts:  # None: F.linear
             if lin is not None:
                 counts[lin.key] = counts.get(lin.key, 0) + 1
         return {**self.kernel_table.to_dict(self.embed_weight.element_size(), counts),
