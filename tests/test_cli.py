@@ -33,6 +33,7 @@ def test_generate_json_equals_library(folders, capsys):
     assert report["text"] == loaded.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert report["num_output_tokens"] == out.shape[1] - ids.shape[1]
     assert report["tau"] >= 1 and report["speedup"] > 0 and report["target_alone_tokens_per_s"] > 0
+    assert report["identical_to_target_alone"] is True  # --compare checks the tokens, not only the time
 
 
 def test_generate_streams_text_and_reports(folders, capsys):

@@ -92,11 +92,15 @@ def run_generate(args) -> int:
                                generator=torch.Generator().manual_seed(args.seed) if args.seed is not None else None)
         report["target_alone_tokens_per_s"] = round(base.num_output_tokens / base.total_time, 2)
         report["speedup"] = round(report["tokens_per_s"] / report["target_alone_tokens_per_s"], 3)
+        if params.greedy:  # the same tokens as the target alone, or the run says it is not
+            report["identical_to_target_alone"] = base.output_ids[0, ids.shape[1]:].tolist() == tokens
     if args.json:
         print(json.dumps(report))
     else:
         line = f"\n\n[{len(tokens)} tokens, tau {tau:.2f}, {report['tokens_per_s']:.1f} tokens/s"
         if args.compare:
             line += f", target alone {report['target_alone_tokens_per_s']:.1f} tokens/s, speedup {report['speedup']:.2f}x"
+            if "identical_to_target_alone" in report:
+                line += ", identical" if report["identical_to_target_alone"] else ", OUTPUT DIFFERS FROM THE TARGET ALONE"
         print(line + "]" + ("" if pipe.draft_trained else "  (untrained random draft)"), file=sys.stderr)
     return 0

@@ -156,7 +156,8 @@ class PrecisionLayout:
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
             gu = [mlp.gate_proj, mlp.up_proj]
             if any(m.bias is not None for m in qkv + gu + [attn.o_proj, mlp.down_proj]):
-                raise PrecisionError(f"precision {precision} covers projections without bias")
+                raise PrecisionError(f"precision {precision} runs projections without bias; this target's have one "
+                                     "(--precision fp32 runs it)")
             self.layers.append(LayerWeights(
                 make([m.weight for m in qkv], ["q_proj", "k_proj", "v_proj"], i, layer_fmt),
                 make([attn.o_proj.weight], ["o_proj"], i, layer_fmt),
@@ -165,7 +166,8 @@ class PrecisionLayout:
                 ([m.weight.shape[0] for m in qkv], [m.weight.shape[0] for m in gu])))
         head = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
-            raise PrecisionError(f"precision {precision} covers an lm_head without bias")
+            raise PrecisionError(f"precision {precision} runs an lm_head without bias; this target's has one "
+                                 "(--precision fp32 runs it)")
         self.head = make([head.weight], ["lm_head"], None, head_fmt)
         scale = model.model.layers[0].self_attn.scaling
         fused = fuse and _fusable(model, self.layers)
