@@ -60,8 +60,9 @@ void attend_row_avx512(const float* q, const float* k, const float* v, int64_t k
   }
 }
 
-void attend_row_scalar(const float* q, const float* k, const float* v, int64_t ks, const int64_t* slots,
-                       int64_t count, int64_t dim, float scale, float* scores, float* out) {
+__attribute__((always_inline)) inline void attend_row_portable(const float* q, const float* k, const float* v, int64_t ks,
+                                                               const int64_t* slots, int64_t count, int64_t dim,
+                                                               float scale, float* scores, float* out) {
   float best = -INFINITY;
   for (int64_t i = 0; i < count; ++i) {
     const float* kr = k + slots[i] * ks;
@@ -80,6 +81,20 @@ void attend_row_scalar(const float* q, const float* k, const float* v, int64_t k
   }
   const float inv = 1.f / total;
   for (int64_t j = 0; j < dim; ++j) out[j] *= inv;
+}
+
+// with hardware fma where the CPU has it (fmaf is exact either way: the same bits)
+__attribute__((target("avx2,fma"))) void attend_row_fma(const float* q, const float* k, const float* v, int64_t ks,
+                                                         const int64_t* slots, int64_t count, int64_t dim,
+                                                         float scale, float* scores, float* out) {
+  attend_row_portable(q, k, v, ks, slots, count, dim, scale, scores, out);
+}
+
+void attend_row_scalar(const float* q, const float* k, const float* v, int64_t ks, const int64_t* slots,
+                       int64_t count, int64_t dim, float scale, float* scores, float* out) {
+  static const bool fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (fma) return attend_row_fma(q, k, v, ks, slots, count, dim, scale, scores, out);
+  attend_row_portable(q, k, v, ks, slots, count, dim, scale, scores, out);
 }
 
 void attend_into(const float* qp, int64_t t, int64_t heads, int64_t dim, const float* kp, const float* vp,

@@ -117,26 +117,45 @@ inline int32_t weight_value(const Weight& w, int64_t t, int64_t b, int64_t c, in
   return g < 4 ? (v & 0x0F) : (v >> 4);
 }
 
-void tile_scalar(const Weight& w, const Acts& x, int64_t t, int64_t r0, int64_t rows, float* y) {
-  const int64_t c0 = r0 / MR;
-  for (int64_t r = r0; r < r0 + rows; ++r) {
-    float acc[NC] = {0.f};
-    for (int64_t b = 0; b < w.nb; ++b) {
-      const int64_t at = (b * x.chunks + c0) * MR + (r - r0);
+// The portable tile: the same integer sums and the same float operations, in the same order, as
+// tile_avx512 (so the same bits); a block's weights unpacked once for all the rows.
+__attribute__((always_inline)) inline void tile_portable(const Weight& w, const Acts& x, int64_t t, int64_t r0,
+                                                         int64_t rows, float* y) {
+  float acc[MR][NC] = {};
+  uint8_t wv[NC][QK];
+  float dw[NC], mw[NC];
+  for (int64_t b = 0; b < w.nb; ++b) {
+    for (int64_t c = 0; c < NC; ++c) {
+      for (int64_t i = 0; i < QK; ++i) wv[c][i] = (uint8_t)weight_value(w, t, b, c, i);
+      dw[c] = half_to_float(w.d[(t * w.nb + b) * NC + c]);
+      mw[c] = half_to_float(w.m[(t * w.nb + b) * NC + c]);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t at = (b * x.chunks + r0 / MR) * MR + r;
       const int8_t* xq = x.q + at * QK;
       const float xd = x.d[at], xs = x.s[at];
       for (int64_t c = 0; c < NC; ++c) {
         int32_t isum = 0;
-        for (int64_t i = 0; i < QK; ++i) isum += weight_value(w, t, b, c, i) * (int32_t)xq[i];
-        const float dw = half_to_float(w.d[(t * w.nb + b) * NC + c]);
-        const float mw = half_to_float(w.m[(t * w.nb + b) * NC + c]);
-        const float scale = dw * xd;
-        acc[c] = std::fmaf((float)isum, scale, acc[c]);
-        acc[c] = std::fmaf(mw, xs, acc[c]);
+        for (int64_t i = 0; i < QK; ++i) isum += (int32_t)wv[c][i] * (int32_t)xq[i];
+        acc[r][c] = std::fmaf((float)isum, dw[c] * xd, acc[r][c]);
+        acc[r][c] = std::fmaf(mw[c], xs, acc[r][c]);
       }
     }
-    for (int64_t c = 0; c < NC; ++c) y[r * w.n + t * NC + c] = acc[c];
   }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < NC; ++c) y[(r0 + r) * w.n + t * NC + c] = acc[r][c];
+}
+
+// with hardware fma and AVX2 where the CPU has them (fmaf is exact either way: the same bits)
+__attribute__((target("avx2,fma"))) void tile_scalar_avx2(const Weight& w, const Acts& x, int64_t t, int64_t r0,
+                                                           int64_t rows, float* y) {
+  tile_portable(w, x, t, r0, rows, y);
+}
+
+void tile_scalar(const Weight& w, const Acts& x, int64_t t, int64_t r0, int64_t rows, float* y) {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return tile_scalar_avx2(w, x, t, r0, rows, y);
+  tile_portable(w, x, t, r0, rows, y);
 }
 
 template <int R, bool NIB>
