@@ -74,7 +74,7 @@ def load(verbose: bool = False) -> bool:
 
                 out = build_dir()
                 out.mkdir(parents=True, exist_ok=True)
-                if "ninja" not in os.environ.get("PATH", "") and shutil.which("ninja") is None:
+                if shutil.which("ninja") is None:  # the pip package's binary (torch's loader runs `ninja`)
                     import ninja
                     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
                 cpp_extension.load(NAME, [str(CSRC / name) for name in SOURCES], extra_cflags=FLAGS, build_directory=str(out),
