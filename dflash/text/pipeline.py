@@ -192,11 +192,12 @@ class Pipeline:
         return Pipeline(target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec).warm()
 
     def warm(self) -> "Pipeline":
-        """Measure (or read from the cache) this machine's cost model now, when the settings use
-        one, as the kernels are measured at load: a first request must not pay for it (the first
-        `make demo` on a new machine timed a 2 s measurement as time to first token)."""
+        """Measure (or read from the cache) this machine's cost model and build the draft's
+        layout now, as the kernels are measured at load: a first request must not pay for them
+        (the first `make demo` on a new machine timed a 2 s measurement as time to first token)."""
         if self.spec.needs_cost_model and self.block_size() > 1:
             self.cost_model()
+        self.draft_layout()
         return self
 
     @property
