@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.engine import lowbit, native
-from dflash.engine.projections import Projections, mlp_fn, norm_fn
+from dflash.engine.projections import Projections, mlp_fn, norm_fn, split_outputs
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8", "int4")
 FORMATS = {"int8": ("q8_0", "q8_0"), "int4": ("q4_1", "q8_0")}  # precision -> (layers, lm_head)
@@ -172,7 +172,8 @@ class PrecisionLayout:
         scale = model.model.layers[0].self_attn.scaling
         fused = fuse and _fusable(model, self.layers)
         self._projections = [
-            Projections(_split(w.qkv, w.sizes[0]), w.o, mlp_fn(_split(w.gate_up, w.sizes[1]), w.down, layer.mlp.act_fn),
+            Projections(split_outputs(w.qkv, w.sizes[0]), w.o,
+                        mlp_fn(split_outputs(w.gate_up, w.sizes[1]), w.down, layer.mlp.act_fn),
                         norm_fn(layer.input_layernorm), norm_fn(layer.post_attention_layernorm), _attend(scale))
             for w, layer in zip(self.layers, model.model.layers)]
         self.fused = fused
@@ -230,12 +231,6 @@ def _whole_model(model, layers: list[LayerWeights], scale: float):
     return run
 
 
-def _split(fn, sizes):
-    def run(x):
-        return fn(x).split(sizes, dim=-1)
-
-    return run
-
 
 def _attend(scale: float):
     op = torch.ops.dflash_lowbit.attend
@@ -279,8 +274,7 @@ class GGUFBlocks:
         if self._fmt(name) != fmt:
             return None
         blocks = lowbit.gguf_blocks(self.tensors[name])
-        short = name.split(".")[-2] if layer is not None else ""
-        if short in self.heads:
+        if layer is not None and short in self.heads:  # q and k rows as HF orders them
             blocks = blocks.rows(lowbit.unpermute_rows(blocks.shape[0], self.heads[short]))
         if not torch.equal(blocks.dequantize(), weight.detach().float().cpu()):
             raise PrecisionError(f"{name} of the GGUF does not dequantise to the model's {proj} weight: "

@@ -58,7 +58,8 @@ def _separate(fns):
     return run
 
 
-def _split(fn, sizes):
+def split_outputs(fn, sizes):
+    """x -> fn(x) split along its last dimension into `sizes` (a stacked product's parts)."""
     def run(x):
         return fn(x).split(sizes, dim=-1)
 
@@ -90,7 +91,7 @@ class Group:
                        for w, b, r in zip(weights, biases, roles)] if not all(self.use_stacked.values()) else [])
         self.stacked = (table.linear(stack, bias, buckets, approximate=approximate, stacked=True)
                         if any(self.use_stacked.values()) else None)
-        self.fns = tuple(_split(self.stacked.fn(b), self.sizes) if self.use_stacked[b]
+        self.fns = tuple(split_outputs(self.stacked.fn(b), self.sizes) if self.use_stacked[b]
                          else _separate([p.fn(b) for p in self.parts]) for b in self.buckets)
 
     @property

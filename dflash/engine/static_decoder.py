@@ -101,27 +101,18 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     layout (`projections.DecoderLinears`; None: the model's own modules). Returns the final normed
     hidden states (B, T, H) and the chosen layers' outputs (B, T, k*H) or None. Advances kv.length by T."""
     base = model.model
-    b, t = ids.shape
+    t = ids.shape[1]
     if kv.length + t > kv.max_len:
         raise ValueError(f"KV buffer of {kv.max_len} positions cannot take {kv.length + t}")
     x = base.embed_tokens(ids)  # (B, T, H)
     cos, sin = base.rotary_emb(x, positions)  # (B, T, D) each
     cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-    mask = _mask(t, kv.length, key_valid, ids.device, tree_mask)  # (B, 1, T, S) or (T, S) or None
     layer_ids = layer_ids or []
-    feats = []
-    projs = linears.for_tokens(b * t) if linears is not None else None  # the kernels of this token count
     whole = getattr(linears, "whole", None)  # every layer in one native call (engine/precision.py)
-    if whole is not None:
+    if whole is not None:  # it masks by `tree_mask` itself
         x, feats = whole(x, cos[0, 0], sin[0, 0], kv, tree_mask, sorted(set(layer_ids)))
-    for i, layer in enumerate(base.layers if whole is None else []):
-        p = projs[i] if projs is not None else None
-        h = layer.input_layernorm(x) if p is None else p.norm1(x)
-        x = x + _attention(layer.self_attn, h, cos, sin, mask, kv, i, p, tree_mask)
-        h = layer.post_attention_layernorm(x) if p is None else p.norm2(x)
-        x = x + (layer.mlp(h) if p is None else p.mlp(h))
-        if i in layer_ids:
-            feats.append(x)
+    else:
+        x, feats = _layers(base, x, cos, sin, kv, key_valid, tree_mask, layer_ids, linears)
     kv.length += t
     final = base.norm(x)  # (B, T, H)
     if not layer_ids:
@@ -129,6 +120,24 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     by_layer = dict(zip(sorted(set(layer_ids)), feats))
     by_layer[len(base.layers) - 1] = final  # as HF's hidden_states: the last entry is after the final norm
     return final, torch.cat([by_layer[i] for i in layer_ids], dim=-1)  # (B, T, H), (B, T, k*H)
+
+
+def _layers(base, x, cos, sin, kv: KVBuffer, key_valid, tree_mask, layer_ids, linears):
+    """The layers one by one (the model's modules, or the adapter's `linears`): the final x and
+    the outputs of the layers in `layer_ids`, in layer order."""
+    b, t, _ = x.shape
+    mask = _mask(t, kv.length, key_valid, x.device, tree_mask)  # (B, 1, T, S) or (T, S) or None
+    projs = linears.for_tokens(b * t) if linears is not None else None  # the kernels of this token count
+    feats = []
+    for i, layer in enumerate(base.layers):
+        p = projs[i] if projs is not None else None
+        h = layer.input_layernorm(x) if p is None else p.norm1(x)
+        x = x + _attention(layer.self_attn, h, cos, sin, mask, kv, i, p, tree_mask)
+        h = layer.post_attention_layernorm(x) if p is None else p.norm2(x)
+        x = x + (layer.mlp(h) if p is None else p.mlp(h))
+        if i in layer_ids:
+            feats.append(x)
+    return x, feats
 
 
 def _mask(t: int, past: int, key_valid, device, tree=None):
