@@ -4,25 +4,131 @@
 
 namespace dflash_lowbit {
 
-// One query row of one head over `count` visible slots (their indices in `slots`); dim = 16 NV.
-template <int NV>
-__attribute__((target("avx512f,fma")))
-void attend_row_avx512(const float* q, const float* k, const float* v, int64_t ks, const int64_t* slots,
-                       int64_t count, float scale, float* scores, float* out) {
-  constexpr int64_t nv = NV;
-  __m512 qv[NV];
-  for (int64_t j = 0; j < nv; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
-  float best = -INFINITY;
-  for (int64_t i = 0; i < count; ++i) {
-    const float* kr = k + slots[i] * ks;
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-    for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kr + 16 * j), acc);
-    scores[i] = _mm512_reduce_add_ps(acc) * scale;
-    best = std::max(best, scores[i]);
+// The AVX-512 code works on units: the query heads of one row that share a KV head (up to three
+// at a time), so that each key and value row it loads serves all of them; and a run of units of
+// one KV head goes through the keys, then the values, a block of positions at a time for all of
+// them, so that the block stays in the L1 cache. Each (row, head) still does exactly its own
+// sequence of operations, the one a call with that row alone does, whatever unit or run it is
+// in: those change the order of the heads' work, never a head's arithmetic.
+//
+// A position's score is a function of q and its key alone (products by lane, fma chunk by chunk,
+// then the lanes summed by a fixed tree, sixteen keys at once); its weight's place in the sums
+// is its place in the row's visible list (the prefix, then the row's new slots in order).
+
+constexpr int64_t KB = 64;  // positions per block (16 KB of keys or values at dim 64)
+constexpr int MAXH = 3;     // query heads per unit
+
+struct Unit {
+  const float* q[MAXH];
+  float* out[MAXH];
+  const int64_t* fresh;  // the row's new slots, after the prefix
+  int64_t count;         // visible slots
+  float* scores;         // per head `count` of them, `stride` apart
+  int64_t stride;
+  float* state;          // per head, `state_stride` apart: the running max (16), then the weighted values' sum (dim)
+  int64_t state_stride;
+  float total[MAXH];
+};
+
+inline const float* slot_row(const float* base, int64_t ks, int64_t past, const int64_t* fresh, int64_t pos) {
+  return base + (pos < past ? pos : fresh[pos - past]) * ks;
+}
+
+// The tree that sums sixteen vectors' lanes into one vector (lane i: vector i's sum): lanes 0+2
+// and 1+3 within each group of four (tree1), then those two (tree2), then quarters 0+2 and 1+3
+// (tree3), then those two (tree4). A lane's bits do not depend on the other vectors.
+__attribute__((target("avx512f"), always_inline)) inline __m512 tree1(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+__attribute__((target("avx512f"), always_inline)) inline __m512 tree2(__m512 a, __m512 b) {
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+__attribute__((target("avx512f"), always_inline)) inline __m512 tree3(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+__attribute__((target("avx512f"), always_inline)) inline __m512 tree4(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+// q . key by lane for each head: the first chunk's products, then fma chunk by chunk; zero for no key
+template <int NV, int H>
+__attribute__((target("avx512f,fma"), always_inline)) inline void dots(const __m512 (&qv)[H][NV], const float* kr,
+                                                                       __m512 (&acc)[H]) {
+  if (!kr) {
+    for (int h = 0; h < H; ++h) acc[h] = _mm512_setzero_ps();
+    return;
   }
+  __m512 kc = _mm512_loadu_ps(kr);
+  asm("" : "+v"(kc));  // one load for all the heads (not one folded into each fma)
+  for (int h = 0; h < H; ++h) acc[h] = _mm512_mul_ps(qv[h][0], kc);
+  for (int j = 1; j < NV; ++j) {
+    kc = _mm512_loadu_ps(kr + 16 * j);
+    asm("" : "+v"(kc));
+    for (int h = 0; h < H; ++h) acc[h] = _mm512_fmadd_ps(qv[h][j], kc, acc[h]);
+  }
+}
+
+// the scores of sixteen keys (rows kr[0..15], null: none), one vector a head; the tree summed
+// as the pairs of keys come, so that few vectors are live at once
+template <int NV, int H>
+__attribute__((target("avx512f,fma"), always_inline)) inline void scores16(const __m512 (&qv)[H][NV],
+                                                                           const float* const* kr, __m512 (&sc)[H]) {
+  __m512 bp[H], cp[H], d0[H], d1[H];
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    __m512 a0[H], a1[H], b[H];
+    dots<NV, H>(qv, kr[2 * p], a0);
+    dots<NV, H>(qv, kr[2 * p + 1], a1);
+    for (int h = 0; h < H; ++h) b[h] = tree1(a0[h], a1[h]);
+    if (p % 2 == 0) {
+      for (int h = 0; h < H; ++h) bp[h] = b[h];
+    } else if (p % 4 == 1) {
+      for (int h = 0; h < H; ++h) cp[h] = tree2(bp[h], b[h]);
+    } else if (p == 3) {
+      for (int h = 0; h < H; ++h) d0[h] = tree3(cp[h], tree2(bp[h], b[h]));
+    } else {
+      for (int h = 0; h < H; ++h) d1[h] = tree3(cp[h], tree2(bp[h], b[h]));
+    }
+  }
+  for (int h = 0; h < H; ++h) sc[h] = tree4(d0[h], d1[h]);
+}
+
+// the scores of positions from..to (from a multiple of 16) and each head's running max
+template <int NV, int H>
+__attribute__((target("avx512f,fma")))
+void scores_block(Unit& u, const float* k, int64_t ks, int64_t past, int64_t from, int64_t to, float scale) {
+  __m512 qv[H][NV], most[H];
+  for (int h = 0; h < H; ++h) {
+    for (int j = 0; j < NV; ++j) qv[h][j] = _mm512_loadu_ps(u.q[h] + 16 * j);
+    most[h] = _mm512_loadu_ps(u.state + h * u.state_stride);
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  const float* kr[16];
+  for (int64_t i = from; i < to; i += 16) {
+    const int64_t n = std::min<int64_t>(16, to - i);
+    if (n == 16 && i + 16 <= past)
+      for (int a = 0; a < 16; ++a) kr[a] = k + (i + a) * ks;
+    else
+      for (int a = 0; a < 16; ++a) kr[a] = a < n ? slot_row(k, ks, past, u.fresh, i + a) : nullptr;
+    __m512 sc[H];
+    scores16<NV, H>(qv, kr, sc);
+    const __mmask16 live = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    for (int h = 0; h < H; ++h) {
+      const __m512 x = _mm512_mul_ps(sc[h], sv);
+      _mm512_mask_storeu_ps(u.scores + h * u.stride + i, live, x);
+      most[h] = _mm512_mask_max_ps(most[h], live, most[h], x);
+    }
+  }
+  for (int h = 0; h < H; ++h) _mm512_storeu_ps(u.state + h * u.state_stride, most[h]);
+}
+
+// a head's scores to weights (exp of score - max); returns their sum (by position mod 16, then
+// the lanes)
+__attribute__((target("avx512f,fma"))) inline float weights(float* scores, int64_t count, const float* most) {
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(most)));
   int64_t i = 0;
-  const __m512 top = _mm512_set1_ps(best);
-  __m512 sums = _mm512_setzero_ps();  // the weights' sum, by position mod 16 in the visible list
+  __m512 sums = _mm512_setzero_ps();
   for (; i + 16 <= count; i += 16) {
     const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(scores + i), top));
     _mm512_storeu_ps(scores + i, e);
@@ -34,30 +140,72 @@ void attend_row_avx512(const float* q, const float* k, const float* v, int64_t k
     _mm512_mask_storeu_ps(scores + i, tail, e);
     sums = _mm512_add_ps(sums, e);
   }
-  const float total = _mm512_reduce_add_ps(sums);
-  // sum of weights times values, four partial sums (by position mod 4) so that the additions
-  // do not wait on each other; then added in a fixed order
-  constexpr int P = 4;
-  __m512 o[P][NV];
-  for (int a = 0; a < P; ++a)
-    for (int64_t j = 0; j < nv; ++j) o[a][j] = _mm512_setzero_ps();
-  int64_t s = 0;
-  for (; s + P <= count; s += P)
-    for (int a = 0; a < P; ++a) {
-      const float* vr = v + slots[s + a] * ks;
-      const __m512 p = _mm512_set1_ps(scores[s + a]);
-      for (int64_t j = 0; j < nv; ++j) o[a][j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * j), o[a][j]);
+  return _mm512_reduce_add_ps(sums);
+}
+
+// weights times values over positions from..to, added to each head's sum in position order
+template <int NV, int H>
+__attribute__((target("avx512f,fma")))
+void values_block(Unit& u, const float* v, int64_t ks, int64_t past, int64_t from, int64_t to) {
+  __m512 o[H][NV];
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < NV; ++j) o[h][j] = _mm512_loadu_ps(u.state + h * u.state_stride + 16 + 16 * j);
+  const float* w[H];
+  for (int h = 0; h < H; ++h) w[h] = u.scores + h * u.stride;
+  for (int64_t s = from; s < to; ++s) {
+    const float* vr = slot_row(v, ks, past, u.fresh, s);
+    __m512 p[H];
+    for (int h = 0; h < H; ++h) p[h] = _mm512_set1_ps(w[h][s]);
+    for (int j = 0; j < NV; ++j) {
+      __m512 vc = _mm512_loadu_ps(vr + 16 * j);
+      asm("" : "+v"(vc));  // one load for all the heads (not one folded into each fma)
+      for (int h = 0; h < H; ++h) o[h][j] = _mm512_fmadd_ps(p[h], vc, o[h][j]);
     }
-  for (int a = 0; s < count; ++s, ++a) {
-    const float* vr = v + slots[s] * ks;
-    const __m512 p = _mm512_set1_ps(scores[s]);
-    for (int64_t j = 0; j < nv; ++j) o[a][j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * j), o[a][j]);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / total);
-  for (int64_t j = 0; j < nv; ++j) {
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(o[0][j], o[1][j]), _mm512_add_ps(o[2][j], o[3][j]));
-    _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(sum, inv));
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(u.state + h * u.state_stride + 16 + 16 * j, o[h][j]);
+}
+
+// a run of units that all read the keys and values k, v (one KV head), H heads each
+template <int NV, int H>
+__attribute__((target("avx512f,fma")))
+void attend_units_avx512(Unit* units, int64_t n, const float* k, const float* v, int64_t ks, int64_t past,
+                         float scale) {
+  int64_t longest = 0;
+  for (int64_t x = 0; x < n; ++x) {
+    longest = std::max(longest, units[x].count);
+    for (int h = 0; h < H; ++h) _mm512_storeu_ps(units[x].state + h * units[x].state_stride, _mm512_set1_ps(-INFINITY));
   }
+  for (int64_t b = 0; b < longest; b += KB)
+    for (int64_t x = 0; x < n; ++x)
+      if (b < units[x].count) scores_block<NV, H>(units[x], k, ks, past, b, std::min(b + KB, units[x].count), scale);
+  for (int64_t x = 0; x < n; ++x) {
+    Unit& u = units[x];
+    for (int h = 0; h < H; ++h) {
+      float* st = u.state + h * u.state_stride;
+      u.total[h] = weights(u.scores + h * u.stride, u.count, st);
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(st + 16 + 16 * j, _mm512_setzero_ps());
+    }
+  }
+  for (int64_t b = 0; b < longest; b += KB)
+    for (int64_t x = 0; x < n; ++x)
+      if (b < units[x].count) values_block<NV, H>(units[x], v, ks, past, b, std::min(b + KB, units[x].count));
+  for (int64_t x = 0; x < n; ++x) {
+    const Unit& u = units[x];
+    for (int h = 0; h < H; ++h) {
+      const __m512 inv = _mm512_set1_ps(1.f / u.total[h]);
+      const float* o = u.state + h * u.state_stride + 16;
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(u.out[h] + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * j), inv));
+    }
+  }
+}
+
+template <int NV>
+void attend_units(Unit* units, int64_t n, int64_t h, const float* k, const float* v, int64_t ks, int64_t past,
+                  float scale) {
+  if (h == 1) attend_units_avx512<NV, 1>(units, n, k, v, ks, past, scale);
+  else if (h == 2) attend_units_avx512<NV, 2>(units, n, k, v, ks, past, scale);
+  else attend_units_avx512<NV, 3>(units, n, k, v, ks, past, scale);
 }
 
 __attribute__((always_inline)) inline void attend_row_portable(const float* q, const float* k, const float* v, int64_t ks,
@@ -100,30 +248,66 @@ void attend_row_scalar(const float* q, const float* k, const float* v, int64_t k
 void attend_into(const float* qp, int64_t t, int64_t heads, int64_t dim, const float* kp, const float* vp,
                  int64_t groups, int64_t hstride, int64_t past, const bool* mp, float scale, float* op) {
   const int64_t per_group = heads / groups;
-  const int64_t nv = has_avx512() && dim % 16 == 0 ? dim / 16 : 0;  // 0: the portable code
-  at::parallel_for(0, t * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> slots(past + t);
-    std::vector<float> scores(past + t);
-    int64_t built_for = -1, count = 0;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t row = job / heads, head = job % heads;
-      if (row != built_for) {  // the slots this row sees: the prefix, then its new slots in order
-        count = 0;
+  const int64_t nv = has_avx512() && dim % 16 == 0 ? dim / 16 : 0;
+  // each row's new slots, in order
+  std::vector<int64_t> fresh(t * t), fresh_count(t);
+  for (int64_t row = 0; row < t; ++row) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < t; ++j)
+      if (mp ? mp[row * t + j] : j <= row) fresh[row * t + c++] = past + j;
+    fresh_count[row] = c;
+  }
+  if (nv != 1 && nv != 2 && nv != 4 && nv != 8) {  // the portable code, a (row, head) at a time
+    at::parallel_for(0, t * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> slots(past + t);
+      std::vector<float> scores(past + t);
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t row = job / heads, head = job % heads;
+        int64_t count = 0;
         for (int64_t s = 0; s < past; ++s) slots[count++] = s;
-        for (int64_t j = 0; j < t; ++j)
-          if (mp ? mp[row * t + j] : j <= row) slots[count++] = past + j;
-        built_for = row;
+        for (int64_t j = 0; j < fresh_count[row]; ++j) slots[count++] = fresh[row * t + j];
+        const int64_t g = head / per_group;
+        attend_row_scalar(qp + (row * heads + head) * dim, kp + g * hstride, vp + g * hstride, dim, slots.data(),
+                          count, dim, scale, scores.data(), op + (row * heads + head) * dim);
       }
-      const int64_t g = head / per_group;
-      const float* qr = qp + (row * heads + head) * dim;
-      float* o = op + (row * heads + head) * dim;
+    });
+    return;
+  }
+  // units in the order (KV head, chunk of its query heads, row); a thread's run of units of one
+  // KV head and chunk goes together, up to `most` of them at a time
+  const int64_t hmax = nv <= 4 ? MAXH : 1;  // a unit's query vectors stay in registers
+  const int64_t chunks = (per_group + hmax - 1) / hmax;
+  constexpr int64_t most = 16;
+  const int64_t stride = (past + t + 15) / 16 * 16, state_stride = 16 + dim;
+  const int64_t per_unit = hmax * (stride + state_stride);
+  at::parallel_for(0, groups * chunks * t, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    if ((int64_t)scratch.size() < most * per_unit) scratch.resize(most * per_unit);
+    Unit units[most];
+    for (int64_t job = begin; job < end;) {
+      const int64_t run = job / t, g = run / chunks, first = g * per_group + run % chunks * hmax;
+      const int64_t h = std::min(hmax, (g + 1) * per_group - first);
+      int64_t n = 0;
+      for (; job < end && n < most && job / t == run; ++job, ++n) {
+        const int64_t row = job % t;
+        Unit& u = units[n];
+        for (int64_t x = 0; x < h; ++x) {
+          u.q[x] = qp + (row * heads + first + x) * dim;
+          u.out[x] = op + (row * heads + first + x) * dim;
+        }
+        u.fresh = fresh.data() + row * t;
+        u.count = past + fresh_count[row];
+        u.scores = scratch.data() + n * per_unit;
+        u.stride = stride;
+        u.state = u.scores + hmax * stride;
+        u.state_stride = state_stride;
+      }
       const float* kg = kp + g * hstride;
       const float* vg = vp + g * hstride;
-      if (nv == 1) attend_row_avx512<1>(qr, kg, vg, dim, slots.data(), count, scale, scores.data(), o);
-      else if (nv == 2) attend_row_avx512<2>(qr, kg, vg, dim, slots.data(), count, scale, scores.data(), o);
-      else if (nv == 4) attend_row_avx512<4>(qr, kg, vg, dim, slots.data(), count, scale, scores.data(), o);
-      else if (nv == 8) attend_row_avx512<8>(qr, kg, vg, dim, slots.data(), count, scale, scores.data(), o);
-      else attend_row_scalar(qr, kg, vg, dim, slots.data(), count, dim, scale, scores.data(), o);
+      if (nv == 1) attend_units<1>(units, n, h, kg, vg, dim, past, scale);
+      else if (nv == 2) attend_units<2>(units, n, h, kg, vg, dim, past, scale);
+      else if (nv == 4) attend_units<4>(units, n, h, kg, vg, dim, past, scale);
+      else attend_units<8>(units, n, h, kg, vg, dim, past, scale);
     }
   });
 }
