@@ -2,7 +2,8 @@
 64 concurrent clients for SOAK_S seconds mixing streamed and plain, chat and completions,
 mid-stream disconnects and bad inputs. Every answer is checked against its prompt's solo
 (offline greedy) answer; every request is accounted for in /metrics; the server is healthy
-after it and its RSS is back within 10% of where it started (after a warm-up round)."""
+after it and its RSS is back within 10% of where it started (after a warm-up round). Once one
+request at a time, once with continuous batching (up to 16 requests a step)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import httpx
 import pytest
 from server_support import MODEL, ServeProcess, metrics, offline_answer, rss_bytes, save_tiny_model
 
+from dflash.engine import native
 from dflash.text.pipeline import Pipeline
 
 CLIENTS = 64
@@ -130,15 +132,20 @@ def _jobs(url: str) -> float:
 
 
 @pytest.mark.slow
-def test_soak_64_clients(tmp_path):
+@pytest.mark.parametrize("precision,serve_args", [
+    ("auto", ()),  # one request at a time (the tiny fp32 target's passes cannot be shared)
+    pytest.param("int4", ("--max-batch", "16"), id="batched",  # continuous batching on the native layers
+                 marks=pytest.mark.skipif(not native.available(), reason="native kernels")),
+])
+def test_soak_64_clients(tmp_path, precision, serve_args):
     folder = save_tiny_model(tmp_path / "tiny", max_positions=256)
-    pipe = Pipeline.load(str(folder), "random", quiet=True)
+    pipe = Pipeline.load(str(folder), "random", quiet=True, precision=precision)
     reqs = _requests()
     expected = [offline_answer(pipe, pipe.encode_chat(body["messages"]) if "messages" in body
                                else pipe.encode_text(body["prompt"]), n) for _, body, n in reqs]
     assert len({t for t, _ in expected}) == len(expected)  # distinct: a cross-wired answer cannot pass
     with ServeProcess("--target", str(folder), "--draft", "random", "--block-size", "4", "--model-name", MODEL,
-                      "--max-queue", "512") as s:
+                      "--max-queue", "512", "--precision", precision, *serve_args) as s:
         warm = asyncio.run(_run(s.url, CLIENTS, reqs, expected, 3600, max_requests=1))  # one request each
         assert not warm.wrong, warm.wrong[:5]
         jobs_before, rss_before = _jobs(s.url), rss_bytes(s.pid)

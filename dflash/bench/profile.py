@@ -140,13 +140,14 @@ def draft_cost_curve(draft, target, blocks=DRAFT_BLOCKS, context: int = 512, rep
     cache = draft.new_cache()
     head = DraftHead.build(draft, target)  # its draft vocabulary's rows, as the loop uses them
     mask_id = draft.config.mask_token_id
-    time_draft_step(draft, target, head, cache, torch.randn(1, context, k_h, generator=g), 2, mask_id, context)
+    layout = target.draft_layout(draft)  # the loop's kernels, built once as a Pipeline builds them
+    time_draft_step(draft, target, head, cache, torch.randn(1, context, k_h, generator=g), 2, mask_id, context, layout)
     times = defaultdict(list)
     for _ in range(repeats + 1):
         for b in blocks:
             one = torch.randn(1, 1, k_h, generator=g)
             t = clock()
-            time_draft_step(draft, target, head, cache, one, b, mask_id, context + 1)
+            time_draft_step(draft, target, head, cache, one, b, mask_id, context + 1, layout)
             times[b].append(clock() - t)
             cache.crop_to(context)
     return {"context": context, "blocks": list(blocks), "ms": [median_ms(times[b][1:]) for b in blocks],

@@ -22,6 +22,10 @@ def add_serve(sub) -> None:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the target's name)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503 (default 64)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit, prompt + completion")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="requests decoded together, joining and leaving between steps (continuous batching); "
+                        "1: one at a time (default: measured on this machine, 1 where the target's passes "
+                        "cannot be shared)")
     add_spec_args(p)
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30)")
@@ -79,10 +83,12 @@ def run_serve(args) -> int:
     limits = Limits(args.max_body_bytes, args.max_prompt_chars, args.max_tokens_default, args.max_tokens_limit,
                     args.request_timeout)
     options = ServerOptions(args.host, args.port, api_key, name, args.max_queue, args.max_model_len,
-                            None, args.shutdown_grace, args.log_level, limits, tuple(args.allow_origin))
+                            None, args.shutdown_grace, args.log_level, limits, tuple(args.allow_origin),
+                            args.max_batch)
     server = build_server(pipe, options)
     print(f"dflash: serving '{name}' on http://{args.host}:{args.port}/v1 "
-          f"(draft: {pipe.draft_path or 'random, untrained'}; API key {'required' if api_key else 'off'})",
+          f"(draft: {pipe.draft_path or 'random, untrained'}; up to {server.worker.max_batch} requests at once; "
+          f"API key {'required' if api_key else 'off'})",
           file=sys.stderr)
     server.run()
     return 0

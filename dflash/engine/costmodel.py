@@ -7,7 +7,9 @@ and measured again when it was measured busy), so the adaptive policy
   plus its lm_head on row 0 (a step whose proposal 1 is rejected pays just that);
 - `rest_head_ms(k)`: the lm_head on the other k rows (paid when proposal 1 is accepted);
 - `draft_ms(block)`: one draft step over a block (its forward over one new context token +
-  the block, its lm_head on the proposals, argmax and the proposals' probabilities).
+  the block, its lm_head on the proposals, argmax and the proposals' probabilities);
+- `row_ms`: what each more sequence adds to a pass that several share (continuous batching),
+  so `pass_ms(tokens, rows)` is a shared pass; `BatchCost` is one row's share of it.
 
 The measurement is cheap: the static cache's context is a length (its K/V stay zeros: the
 attention costs the same), token counts 1..6, then 8..32 in widening steps, at one
@@ -28,7 +30,7 @@ import torch
 from dflash.engine import machine
 from dflash.engine.cache import StaticTargetCache
 
-VERSION = 4  # bump when what is measured or how changes: a cached cost model of an older version is measured again
+VERSION = 6  # bump when what is measured or how changes: a cached cost model of an older version is measured again
 NS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
 SECOND_NS = (1, 4, 16, 32)
 CONTEXTS = (256, 1024)
@@ -57,6 +59,7 @@ class CostModel:
     draft_blocks: list[int] = field(default_factory=list)
     draft: list[float] = field(default_factory=list)  # ms per block size
     info: dict = field(default_factory=dict)  # the machine, kernels, measuring time
+    row_ms: float | None = None  # what each more sequence adds to a shared pass (None: the target cannot share)
 
     def verify_ms(self, n: int, context: int | None = None) -> float:
         """Verify pass over n tokens (layers + row 0's lm_head), at `context` (None: contexts[0])."""
@@ -79,12 +82,57 @@ class CostModel:
         step = self.draft_ms(block) + self.verify_ms(block, context) + p_first * self.rest_head_ms(block - 1)
         return step / self.verify_ms(1, context)
 
+    def pass_ms(self, tokens: int, rows: int, context: int | None = None) -> float:
+        """T(tokens, rows): a pass over `tokens` new tokens of `rows` sequences, each row's row 0
+        through the lm_head: the one-sequence pass, the head's other rows, each row's overhead."""
+        if self.row_ms is None:  # one pass per sequence
+            return rows * self.verify_ms(tokens / rows, context)
+        return self.verify_ms(tokens, context) + self.rest_head_ms(rows - 1) + (rows - 1) * self.row_ms
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(**d)
+
+
+class BatchCost:
+    """A cost model seen by one of `rows` sequences sharing each pass (continuous batching): a
+    verify pass over n tokens costs the row its share T(rows n, rows) / rows of a pass where every
+    row verifies n, so a tree weighs a node against what it adds to the shared pass, and at large
+    batches rows propose less, stop drafting (a draft pass is the row's own) and decode plainly.
+    With one row it is the cost model itself. The step sets `rows` before the rows propose."""
+
+    def __init__(self, model: CostModel):
+        self.model, self.rows = model, 1
+
+    def sharing(self) -> int:
+        """The rows sharing the pass now."""
+        return self.rows
+
+    def verify_ms(self, n: int, context: int | None = None) -> float:
+        return self.model.pass_ms(self.rows * n, self.rows, context) / self.rows
+
+    def draft_ms(self, block: int) -> float:
+        return self.model.draft_ms(block)
+
+    def rest_head_ms(self, k: int) -> float:
+        return self.model.rest_head_ms(k)
+
+
+BATCH_LATENCY = 4.0  # a step of the default largest batch costs at most this many plain steps alone
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def batch_limit(model: CostModel, latency: float = BATCH_LATENCY) -> int:
+    """The default largest batch of a server: the largest of BATCH_SIZES whose plain step (one
+    token a row) costs at most `latency` plain steps of one row, where the target can share
+    passes; else 1 (rows one after another give no more tokens per second)."""
+    if model.row_ms is None:
+        return 1
+    one = model.pass_ms(1, 1)
+    return max(b for b in BATCH_SIZES if model.pass_ms(b, b) <= latency * one)
 
 
 def fill_cache(target, context: int, generator: torch.Generator):
@@ -126,16 +174,17 @@ def measure_verify(target, ns: Sequence[int], context: int, reps: int = 2, layer
 
 
 @torch.inference_mode()
-def time_draft_step(draft, target, head, cache, ctx_hidden, block: int, mask_id: int, pos: int) -> None:
+def time_draft_step(draft, target, head, cache, ctx_hidden, block: int, mask_id: int, pos: int, layout=None) -> None:
     """One draft step as the loop runs it, greedy: noise embedding of [last, mask x (block-1)],
-    the draft over [new context ; block], its lm_head on the proposals, argmax and their
-    probabilities (what the adaptive policy reads); the block's K/V dropped after."""
+    the draft over [new context ; block] (with `layout`, the kernels the loop's proposer runs:
+    `target.draft_layout(draft)`, built once by the caller), its lm_head on the proposals, argmax
+    and their probabilities (what the adaptive policy reads); the block's K/V dropped after."""
     ids = torch.full((1, block), mask_id, dtype=torch.long, device=target.device)
     ids[:, 0] = 1
     noise = target.embed(ids, draft.config.input_embedding_scale)  # (1, S, H)
     positions = torch.arange(cache.length, pos + block, device=target.device)[None]  # (1, C+S)
     hidden = draft(positions, noise_embedding=noise, target_hidden=ctx_hidden, past_key_values=cache, use_cache=True,
-                   layout=target.draft_layout(draft))  # (1, S, H), with the kernels the loop's proposer runs
+                   layout=layout)  # (1, S, H)
     cache.crop_to(pos)  # the context only
     logits = head.logits(target, hidden[:, 1:])  # (1, S-1, V or K)
     logits.argmax(-1)
@@ -156,17 +205,49 @@ def measure_draft(draft, target, blocks: Sequence[int] = DRAFT_BLOCKS, context: 
     cache = draft.new_cache()
     mask_id = draft.config.mask_token_id
     ctx = torch.randn(1, context, k_h, generator=g).to(target.device, target.dtype)
-    time_draft_step(draft, target, head, cache, ctx, 2, mask_id, context)  # fills the cache with the context
+    layout = target.draft_layout(draft)
+    time_draft_step(draft, target, head, cache, ctx, 2, mask_id, context, layout)  # fills the cache with the context
     one = torch.randn(1, 1, k_h, generator=g).to(target.device, target.dtype)
     out = [float("inf")] * len(blocks)
     for r in range(reps + 1):  # round 0 warms up
         for j, b in enumerate(blocks):
             t0 = clock()
-            time_draft_step(draft, target, head, cache, one, b, mask_id, context + 1)
+            time_draft_step(draft, target, head, cache, one, b, mask_id, context + 1, layout)
             if r:
                 out[j] = min(out[j], (clock() - t0) * 1e3)
             cache.crop_to(context)
     return out
+
+
+ROWS = 8  # sequences in the shared pass that `measure_rows` times
+
+
+@torch.inference_mode()
+def measure_rows(target, context: int, rows: int = ROWS, reps: int = 3, layer_ids=None,
+                 clock: Callable[[], float] = time.perf_counter, seed: int = 0) -> float | None:
+    """What each more sequence adds to a shared pass (`static_decoder.forward_rows`): `rows`
+    sequences of one token against one sequence of `rows` tokens, at `context`; 0 where the
+    target cannot share passes (None)."""
+    from dflash.engine import static_decoder
+
+    if not static_decoder.supports_rows(target.linears):
+        return None
+    g = torch.Generator().manual_seed(seed)
+    caches = [fill_cache(target, context, g) for _ in range(rows)]
+    ids = torch.randint(0, target.info.vocab_size, (rows,), generator=g).to(target.device)
+    positions = [torch.tensor([context], device=target.device)] * rows
+    best_rows = best_one = float("inf")
+    for _ in range(reps + 1):  # round 0 warms up
+        t0 = clock()
+        static_decoder.forward_rows(target.model, list(ids[:, None]), positions, [c.kv for c in caches],
+                                    [None] * rows, layer_ids, target.linears)
+        t1 = clock()
+        target.forward_hidden(ids[None], caches[0], layer_ids)
+        t2 = clock()
+        best_rows, best_one = min(best_rows, t1 - t0), min(best_one, t2 - t1)
+        for c in caches:
+            c.crop_to(context)
+    return max(best_rows - best_one, 0.0) * 1e3 / (rows - 1)
 
 
 def measure(target, draft=None, ns: Sequence[int] = NS, contexts: Sequence[int] = CONTEXTS,
@@ -185,10 +266,11 @@ def measure(target, draft=None, ns: Sequence[int] = NS, contexts: Sequence[int] 
     d_ms = measure_draft(draft, target, draft_blocks, contexts[0], reps + 1, clock) if draft is not None else []
     info = {"machine": machine.machine_key(), "kernels": getattr(target, "kernels", "torch"),
             "measure_s": round(time.perf_counter() - start, 2)}
+    row_ms = measure_rows(target, contexts[0], layer_ids=layer_ids, clock=clock)
     return CostModel(list(ns), [round(x, 3) for x in ver], list(contexts), list(second_ns),
                      [[round(x, 3) for x in row] for row in context_rows], rest_ns,
                      [round(x, 3) for n, x in zip(ns, rest) if n > 1], list(draft_blocks) if draft is not None else [],
-                     [round(x, 3) for x in d_ms], info)
+                     [round(x, 3) for x in d_ms], info, None if row_ms is None else round(row_ms, 4))
 
 
 def model_signature(target, draft=None) -> str:

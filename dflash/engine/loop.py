@@ -21,29 +21,16 @@ from dflash.engine.errors import GenerationError
 from dflash.engine.policy import ThresholdPolicy, VerifyPolicy
 from dflash.engine.proposers import DraftHead, DraftProposer, Proposal, Proposer, build_proposer
 from dflash.engine.request import SamplingParams, check_request
-from dflash.engine.sampling import next_token, probabilities, verify_greedy, verify_match, verify_rejection
 from dflash.engine.stats import SpecStats
+from dflash.engine.step import Row, Step, prefill, step
 from dflash.engine.target import TargetModel, as_target
 from dflash.engine.timing import NULL_TIMER, NullTimer
-from dflash.engine.tree import TokenTree, path_rows, walk
-from dflash.engine.tree_verify import commit_path, tree_forward
 
 if TYPE_CHECKING:  # the loop drives any draft with this interface; draft.spec_generate calls the loop
     from dflash.engine.draft import DFlashDraftModel
 
-__all__ = ["DraftHead", "DraftProposer", "GenerationError", "GenerationResult", "Proposal", "Proposer", "Step",
-           "dflash_generate", "stream_generate"]
-
-
-@dataclass
-class Step:
-    """What one loop step committed."""
-    tokens: list[int]  # the new tokens, in order (the accepted ones, then the recovered or bonus token)
-    proposed: int  # proposals verified this step (0 for the prefill token and plain steps)
-    accepted: int  # of which accepted
-    finish_reason: str | None = None  # "stop", "length" or None while running
-    sources: tuple[str, ...] = ()  # per accepted token: the proposer source(s) it came from
-    drafted: bool = False  # whether the draft model ran for this step's proposals
+__all__ = ["DraftHead", "DraftProposer", "GenerationError", "GenerationResult", "Proposal", "Proposer", "Row", "Step",
+           "dflash_generate", "open_row", "run_row", "stream_generate"]
 
 
 @dataclass
@@ -73,58 +60,25 @@ class GenerationResult:
         return self.stats.num_drafts
 
 
-def _verdict(block: Proposal, logits: torch.Tensor, params: SamplingParams, generator):
-    """logits: (1, K+1, V) -> (number of accepted proposals, the recovered or bonus token)."""
-    if params.greedy:
-        n, tok = verify_greedy(block.tokens, logits)
-    elif block.probs is None:
-        n, tok = verify_match(block.tokens, probabilities(logits, params), generator)
-    else:
-        n, tok = verify_rejection(block.tokens, block.probs, probabilities(logits, params), generator)
-    return int(n[0]), tok
-
-
-def _verify(block: Proposal, target: TargetModel, final: torch.Tensor, params: SamplingParams, generator,
-            timer: NullTimer = NULL_TIMER):
-    """final: (1, K+1, H) the target's last hidden states at [last, proposals].
-    The lm_head runs on row 0 first, and on the other K rows only when the first proposal is
-    accepted: on CPU one row of a large vocabulary costs far less than K+1 rows, and a weak
-    draft's first proposal is rejected in most steps. Testing proposal 1, then the rest as a
-    block of its own, is the same sequential test, so the output stays exact."""
-    with timer.span("verify_head"):
-        first = target.logits(final[:, :1])  # (1, 1, V)
-    if block.size == 0:
-        return _verdict(block, first, params, generator)
-    # row 0 twice: the second row would only give the bonus token after an accepted proposal 1,
-    # which is then dropped for the rest's own verdict
-    n, tok = _verdict(block.slice(0, 1), first.expand(-1, 2, -1), params, generator)
-    if n == 0:
-        return 0, tok
-    with timer.span("verify_head"):
-        rest = target.logits(final[:, 1:])  # (1, K, V)
-    n, tok = _verdict(block.slice(1, None), rest, params, generator)
-    return 1 + n, tok
-
-
-def _verify_chain(block: Proposal, target: TargetModel, cache, last, layer_ids, params, generator, timer):
-    """One pass over [last, proposals] -> (accepted tokens, the recovered or bonus token (1,),
-    hidden (1, 1+K, kH) | None)."""
-    verify_ids = torch.cat([last[:, None], block.tokens], dim=1)  # (1, 1 + K)
-    with timer.span("verify_forward"):
-        final, hidden = target.forward_hidden(verify_ids, cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
-    n, tok = _verify(block, target, final, params, generator, timer)
-    return block.tokens[0, :n].tolist(), tok, hidden
-
-
-def _verify_tree(tree: TokenTree, target: TargetModel, cache, last, layer_ids, params, generator, timer):
-    """One pass over [last ; tree nodes], walked from the root (exact for any tree: the target's
-    own token picks the child) -> (accepted node path, the recovered or bonus token (1,),
-    hidden (1, 1+N, kH) | None)."""
-    with timer.span("verify_forward"):
-        final, hidden = tree_forward(target, cache, int(last), tree, layer_ids)  # (1, 1+N, H), (1, 1+N, kH)
-    with timer.span("verify_head"):
-        verdict = walk(tree, lambda rows: target.logits(final[:, rows])[0], params, generator)  # lazy head
-    return verdict.path, torch.tensor([verdict.token], device=last.device), hidden
+def open_row(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int,
+             stop_token_ids=None, params: SamplingParams = SamplingParams(), block_size: int | None = None,
+             mask_token_id: int | None = None, generator: torch.Generator | None = None,
+             draft_window: int | None = None, draft_threshold: float = 0.0, timer: NullTimer = NULL_TIMER,
+             proposer: Proposer | str | None = None, policy: VerifyPolicy | None = None, cost_model=None) -> Row:
+    """A sequence's `Row` (engine/step.py), its arguments checked, its proposer and policy built,
+    before its prefill (`step.prefill`); arguments as `stream_generate`'s."""
+    target = as_target(target)  # a bare HF model: an adapter running its own modules
+    checked = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, draft_threshold,
+                          proposer)
+    block_size = checked.block_size
+    if block_size <= 1:  # plain decoding: nothing to propose, whatever was asked
+        proposer = None
+    elif proposer is None or isinstance(proposer, str):
+        proposer = build_proposer(proposer or "draft", draft, target, params, checked.mask_id, generator,
+                                  draft_window, timer, cost_model, block_size)
+    stop = frozenset(int(t) for t in (stop_token_ids or ()))
+    return Row(target, target.new_cache(), params, generator, stop, checked.max_new_tokens, block_size, proposer,
+               policy or ThresholdPolicy(draft_threshold), getattr(proposer, "layer_ids", None), timer)
 
 
 @torch.inference_mode()
@@ -140,72 +94,18 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     `proposer`: a Proposer, or a name of `proposers.PROPOSERS` ("draft", the default: the draft's
     chain; "tree", "suffix", "hybrid"); `policy` (default: `ThresholdPolicy`) cuts chains;
     `cost_model` (engine/costmodel.py) sizes trees; `timer` is the profiling seam."""
-    target = as_target(target)  # a bare HF model: an adapter running its own modules
-    checked = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, draft_threshold,
-                          proposer)
-    block_size, max_new_tokens = checked.block_size, checked.max_new_tokens
-    if max_new_tokens == 0:
+    row = open_row(draft, target, input_ids, max_new_tokens, stop_token_ids, params, block_size, mask_token_id,
+                   generator, draft_window, draft_threshold, timer, proposer, policy, cost_model)
+    yield from run_row(row, input_ids)
+
+
+def run_row(row: Row, input_ids: torch.Tensor) -> Iterator[Step]:
+    """A row alone, from its prefill to its end: one Step each."""
+    if row.max_new_tokens == 0:
         return
-    stop = frozenset(int(t) for t in (stop_token_ids or ()))
-    if block_size <= 1:  # plain decoding: nothing to propose, whatever was asked
-        proposer = None
-    elif proposer is None or isinstance(proposer, str):
-        proposer = build_proposer(proposer or "draft", draft, target, params, checked.mask_id, generator,
-                                  draft_window, timer, cost_model, block_size)
-    policy = policy or ThresholdPolicy(draft_threshold)
-    layer_ids = getattr(proposer, "layer_ids", None) if block_size > 1 else None
-    target_cache = target.new_cache()
-    if proposer is not None:
-        proposer.start(input_ids[0].tolist())
-
-    logits, ctx_hidden = target.forward(input_ids, target_cache, layer_ids, logits_to_keep=1)  # (1, 1, V), (1, T, kH)
-    last = next_token(logits[:, -1], params, generator)  # (1,)
-    generated, pos = 1, input_ids.shape[1]  # pos: position of `last`, not yet in the target cache
-    finish = "stop" if int(last) in stop else ("length" if generated >= max_new_tokens else None)
-    if proposer is not None:
-        proposer.commit([int(last)], None)
-    yield Step([int(last)], 0, 0, finish)
-
-    empty = Proposal(torch.empty(1, 0, dtype=torch.long, device=last.device))
-    while finish is None:
-        size = min(block_size, max_new_tokens - generated)  # the block can yield up to `size` tokens
-        block, drafted = empty, False
-        if size > 1 and policy.draft_now():
-            block = proposer.propose(ctx_hidden, last, pos, size, policy.needs_confidence)
-            drafted = proposer.drafted  # a tree proposer may skip the draft pass
-            if isinstance(block, Proposal):
-                block = block.slice(0, policy.verify_count(block.conf, block.size))
-            ctx_hidden = None  # the draft pass consumed the context
-        if isinstance(block, TokenTree):
-            path, last, hidden = _verify_tree(block, target, target_cache, last, layer_ids, params, generator, timer)
-            accepted = block.tokens[path].tolist()
-        else:
-            accepted, last, hidden = _verify_chain(block, target, target_cache, last, layer_ids, params, generator,
-                                                   timer)
-            path = None
-        new = accepted + [int(last)]  # `last`: the recovered or bonus token
-        for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
-            if t in stop:
-                new, finish = new[: i + 1], "stop"
-                break
-        kept = len(new) - 1  # accepted tokens committed (a stop token may cut them)
-        if path is None:
-            target_cache.crop_to(pos + len(new))  # keep `last` and the accepted proposals
-            rows, sources = slice(0, len(new)), (block.source,) * kept
-        else:
-            commit_path(target_cache, pos, path[:kept])  # keep the root and the accepted path, compacted
-            rows, sources = path_rows(path[:kept], last.device), tuple(block.sources[i] for i in path[:kept])
-        if hidden is not None:  # the next context: what the draft has not seen yet
-            seen = hidden[:, rows]  # (1, n, kH)
-            ctx_hidden = seen if ctx_hidden is None else torch.cat([ctx_hidden, seen], dim=1)
-        n_accepted = len(accepted)
-        policy.observe(len(block), n_accepted)
-        if proposer is not None:
-            proposer.commit(new, path)
-        pos, generated = pos + len(new), generated + len(new)
-        if finish is None and generated >= max_new_tokens:
-            finish = "length"
-        yield Step(new, len(block), n_accepted, finish, sources, drafted)
+    yield prefill(row, input_ids)
+    while row.finish is None:
+        yield step([row])[0]
 
 
 def _check_args(draft, target: TargetModel, input_ids, max_new_tokens, block_size, mask_token_id,

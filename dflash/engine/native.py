@@ -26,7 +26,10 @@ from dflash.engine import machine
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("qmm.cpp", "attend.cpp", "layer.cpp", "ops.cpp")  # and lowbit.h, which they share
 NAME = "dflash_lowbit"
-FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]  # no contraction: the float order is the source's
+# no contraction: the float order is the source's; OpenMP: at::parallel_for (an inline template in torch's
+# headers) runs its threads only in code compiled with it, else serially
+FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 class _State:
@@ -77,7 +80,8 @@ def load(verbose: bool = False) -> bool:
                 if shutil.which("ninja") is None:  # the pip package's binary (torch's loader runs `ninja`)
                     import ninja
                     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-                cpp_extension.load(NAME, [str(CSRC / name) for name in SOURCES], extra_cflags=FLAGS, build_directory=str(out),
+                cpp_extension.load(NAME, [str(CSRC / name) for name in SOURCES], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+                                   build_directory=str(out),
                                    is_python_module=False, verbose=verbose)
             except Exception as e:  # a failed build leaves the engine on its torch kernels
                 _STATE.error = f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"

@@ -210,6 +210,9 @@ def _fusable(model, layers: list[LayerWeights]) -> bool:
                     for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)))
 
 
+NO_MASK = torch.empty(0, dtype=torch.bool)  # a causal segment of llama_forward
+
+
 def _whole_model(model, layers: list[LayerWeights], scale: float):
     op = torch.ops.dflash_lowbit.llama_forward
     lins = [lin for w in layers for lin in (w.qkv, w.o, w.gate_up, w.down)]
@@ -220,12 +223,16 @@ def _whole_model(model, layers: list[LayerWeights], scale: float):
     first = model.model.layers[0].input_layernorm
     eps, heads = float(first.variance_epsilon), model.config.num_attention_heads
 
-    def run(x, cos, sin, kv, tree, keep: list[int]):
-        """x (1, T, H) -> (x after the last layer, [x after each layer of `keep`]), each (1, T, H);
-        every layer's K/V written at kv.length.."""
+    def run(x, cos, sin, kvs, counts: list[int], trees, keep: list[int]):
+        """x (1, T, H): the new rows of one or more sequences, `counts` (one per sequence) of them
+        in order, each sequence's K/V in its KVBuffer of `kvs`, written at its length.., its rows
+        masked by its tree of `trees` ((count, count) bool; None: causal) -> (x after the last
+        layer, [x after each layer of `keep`]), each (1, T, H)."""
         t = x.shape[1]
+        masks = [NO_MASK if tree is None else tree for tree in trees]
         out = op(x.reshape(t, -1).contiguous(), weights, bits, norms, eps, cos.contiguous(), sin.contiguous(),
-                 kv.k, kv.v, kv.length, tree, scale, heads, keep)
+                 [kv.k for kv in kvs], [kv.v for kv in kvs], [kv.length for kv in kvs], counts, masks, scale, heads,
+                 keep)
         return out[0].view(1, t, -1), [f.view(1, t, -1) for f in out[1:]]
 
     return run

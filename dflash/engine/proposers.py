@@ -236,7 +236,7 @@ class TreeProposer(Proposer):
     def __init__(self, draft: DraftProposer | None = None, suffix: bool = True, top_k: int = 4,
                  max_nodes: int = 24, verify_cost: Callable[[int], float] | None = None, draft_cost: float = 0.0,
                  global_index: GlobalSuffixIndex | None = None, branches: int = 4, probe_every: int = 8,
-                 state: TreeState | None = None):
+                 state: TreeState | None = None, sharing: Callable[[], int] | None = None):
         if draft is None and not suffix and global_index is None:
             raise ValueError("a tree proposer needs a source: the draft, the suffix index or a global index")
         self.draft, self.use_suffix, self.global_index = draft, suffix, global_index
@@ -247,6 +247,7 @@ class TreeProposer(Proposer):
         self.index: SuffixIndex | None = None
         self._last: tuple[TokenTree, dict[str, float]] | None = None
         self.probe_every = probe_every
+        self.sharing = sharing  # the rows sharing each pass now (continuous batching; None: one)
         self._offer = 0  # this step's offer bucket
         self.drafted = False
         self._context: torch.Tensor | None = None  # (1, C, kH) context handed over while the draft was skipped
@@ -314,15 +315,17 @@ class TreeProposer(Proposer):
     def _draft_pays(self) -> bool:
         """Run the draft pass this step? Yes while it wins on tokens per ms beside what the
         text sources offer this step (`DraftGain` of the offer's bucket), and once every
-        `probe_every` skipped steps of that bucket, and on this request's first step in it
-        (`TreeState.probe_first`)."""
+        `probe_every` skipped steps of that bucket (times the rows sharing the pass), and on this
+        request's first step in it (`TreeState.probe_first`)."""
         skipped, unprobed = self.state.skipped, self.state.unprobed
         if self.verify_cost is None or self.gain.pays() or self._offer in unprobed:
             skipped[self._offer] = 0
             unprobed.discard(self._offer)
             return True
         skipped[self._offer] += 1
-        if skipped[self._offer] > self.probe_every:
+        # a probe is this row's own draft pass, which every row of a shared pass waits for: rows
+        # probe as often together as one row alone
+        if skipped[self._offer] > self.probe_every * (self.sharing() if self.sharing is not None else 1):
             skipped[self._offer] = 0
             return True
         return False
@@ -473,4 +476,5 @@ def build_proposer(kind: str, draft: DFlashDraftModel | None, target: TargetMode
     verify_cost = None if cost_model is None else cost_model.verify_ms
     draft_cost = 0.0 if cost_model is None or kind == "suffix" else cost_model.draft_ms(block_size)
     return TreeProposer(drafter if kind != "suffix" else None, suffix=kind != "tree", verify_cost=verify_cost,
-                        draft_cost=draft_cost, global_index=global_index, state=state)
+                        draft_cost=draft_cost, global_index=global_index, state=state,
+                        sharing=getattr(cost_model, "sharing", None))

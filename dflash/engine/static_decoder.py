@@ -110,16 +110,54 @@ def forward(model, ids: torch.Tensor, positions: torch.Tensor, kv: KVBuffer, key
     layer_ids = layer_ids or []
     whole = getattr(linears, "whole", None)  # every layer in one native call (engine/precision.py)
     if whole is not None:  # it masks by `tree_mask` itself
-        x, feats = whole(x, cos[0, 0], sin[0, 0], kv, tree_mask, sorted(set(layer_ids)))
+        x, feats = whole(x, cos[0, 0], sin[0, 0], [kv], [t], [tree_mask], sorted(set(layer_ids)))
     else:
         x, feats = _layers(base, x, cos, sin, kv, key_valid, tree_mask, layer_ids, linears)
     kv.length += t
     final = base.norm(x)  # (B, T, H)
+    return final, _features(base, final, feats, layer_ids)
+
+
+def _features(base, final, feats, layer_ids):
+    """The outputs of the layers in `layer_ids` (in their order), concatenated: (B, T, k*H), or None."""
     if not layer_ids:
-        return final, None
+        return None
     by_layer = dict(zip(sorted(set(layer_ids)), feats))
     by_layer[len(base.layers) - 1] = final  # as HF's hidden_states: the last entry is after the final norm
-    return final, torch.cat([by_layer[i] for i in layer_ids], dim=-1)  # (B, T, H), (B, T, k*H)
+    return torch.cat([by_layer[i] for i in layer_ids], dim=-1)  # (B, T, k*H)
+
+
+def supports_rows(linears) -> bool:
+    """Several sequences can share one pass (`forward_rows`): the adapter runs every layer in one
+    native call (engine/precision.py), whose rows do not depend on the rows beside them."""
+    return getattr(linears, "whole", None) is not None
+
+
+@torch.inference_mode()
+def forward_rows(model, ids: list[torch.Tensor], positions: list[torch.Tensor], kvs: list[KVBuffer],
+                 trees: list[torch.Tensor | None], layer_ids: list[int] | None, linears):
+    """One pass over the new tokens of several sequences, each on its own KVBuffer: ids[i],
+    positions[i] (T_i,) at its slots kvs[i].length.., masked by trees[i] (T_i, T_i) (None:
+    causal). The products run over all the rows at once; each row's numbers are those of its
+    sequence run alone (`supports_rows`). Returns per sequence the final normed hidden states
+    (1, T_i, H) and the chosen layers' outputs (1, T_i, k*H) or None. Advances each kv.length."""
+    if not supports_rows(linears):
+        raise ValueError("several sequences share a pass only on the adapter's native layers")
+    base = model.model
+    counts = [int(i.shape[0]) for i in ids]
+    for kv, n in zip(kvs, counts):
+        if kv.length + n > kv.max_len:
+            raise ValueError(f"KV buffer of {kv.max_len} positions cannot take {kv.length + n}")
+    x = base.embed_tokens(torch.cat(ids)[None])  # (1, T, H)
+    cos, sin = base.rotary_emb(x, torch.cat(positions)[None])  # (1, T, D) each
+    keep = sorted(set(layer_ids or []))
+    x, feats = linears.whole(x, cos[0], sin[0], kvs, counts, trees, keep)
+    for kv, n in zip(kvs, counts):
+        kv.length += n
+    final = base.norm(x)  # (1, T, H)
+    hidden = _features(base, final, feats, layer_ids)
+    bounds = torch.tensor([0] + counts).cumsum(0).tolist()
+    return [(final[:, a:b], None if hidden is None else hidden[:, a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def _layers(base, x, cos, sin, kv: KVBuffer, key_valid, tree_mask, layer_ids, linears):

@@ -22,6 +22,7 @@ from dflash.text.session import Done
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 SPEED_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -63,10 +64,19 @@ class Metrics:
                              buckets=tuple(range(1, 18)), registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests being generated", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for the model worker", registry=r)
+        self.batch_size = Gauge(p + "running_batch_size", "Requests in the last engine step (continuous batching)",
+                                registry=r)
+        self.step_tokens = Histogram(p + "batch_tokens_per_step", "Tokens committed by one engine step, all its "
+                                     "requests together", buckets=STEP_BUCKETS, registry=r)
 
     def track_queue(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
         self.waiting.set_function(waiting)
         self.running.set_function(running)
+
+    def observe_step(self, rows: int, tokens: int) -> None:
+        """One engine step of `rows` requests that committed `tokens` tokens in all."""
+        self.batch_size.set(rows)
+        self.step_tokens.observe(tokens)
 
     def observe(self, done: Done, queue_time: float, latency: float) -> None:
         """Record one finished request."""

@@ -34,6 +34,7 @@ class ServerOptions:
     log_level: str = "warning"
     limits: Limits = field(default_factory=Limits)
     allow_origins: tuple[str, ...] = ()  # web origins a browser may call the API from ("*": any)
+    max_batch: int | None = None  # requests decoded together; None: the pipeline's measured default
 
 
 class DFlashServer(uvicorn.Server):
@@ -60,7 +61,10 @@ def build_server(pipe, options: ServerOptions, start_worker: bool = True) -> DFl
     if options.spec is not None:  # a copy sharing the models: the caller's pipeline keeps its settings
         pipe = dataclasses.replace(pipe, spec=options.spec)
     metrics = Metrics(num_positions=max(pipe.block_size() - 1, 0))
-    worker = Worker(pipe, options.max_queue, metrics)
+    if options.max_batch is not None and options.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {options.max_batch}")
+    max_batch = options.max_batch or pipe.default_max_batch()
+    worker = Worker(pipe, options.max_queue, metrics, max_batch)
     api_key = options.api_key or None
     state = ServerState(pipe, worker, metrics, options.model_name, max_len, api_key, options.limits)
     policy = AccessPolicy.build(options.host, options.port, api_key, options.allow_origins)

@@ -1,6 +1,9 @@
-"""The model worker: one thread owns the pipeline and serves jobs from a bounded queue, one
-at a time. Each job hands its events (Delta..., then Done or Failed) to its own sink; a job
-can be cancelled at any time and the worker notices between two loop steps."""
+"""The model worker: one thread owns the pipeline and serves jobs from a bounded queue with
+continuous batching: up to `max_batch` requests are decoded together, one engine step for all
+of them at a time (engine/step.py); waiting requests join, first come first served, at step
+boundaries, and finished or cancelled ones leave there. `max_batch=1` serves one request at a
+time. Each job hands its events (Delta..., then Done or Failed) to its own sink; a job can be
+cancelled at any time and the worker notices at the next step boundary."""
 
 from __future__ import annotations
 
@@ -13,9 +16,12 @@ from typing import Callable
 
 import torch
 
+from dflash.engine.request import SamplingParams
 from dflash.engine.stats import SpecStats
+from dflash.engine.step import prefill
+from dflash.engine.step import step as engine_step
 from dflash.serve.metrics import Metrics
-from dflash.text.session import Done, GenSettings, generate_text
+from dflash.text.session import Done, GenSettings, TextStream, make_generator
 
 log = logging.getLogger("dflash.server")
 
@@ -55,22 +61,34 @@ class Job:
         return self._cancel.is_set()
 
 
+@dataclass
+class Active:
+    """A job being decoded: its loop row and its text."""
+    job: Job
+    row: object  # engine.step.Row
+    text: TextStream
+    started: float
+
+
 class Worker:
-    def __init__(self, pipe, max_queue: int = 64, metrics: Metrics | None = None):
+    def __init__(self, pipe, max_queue: int = 64, metrics: Metrics | None = None, max_batch: int = 1):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.pipe = pipe
-        self.max_queue = max_queue
+        self.max_queue, self.max_batch = max_queue, max_batch
         self.metrics = metrics
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stop_ids = pipe.stop_token_ids
-        self._active: Job | None = None
+        self._active: list[Active] = []
         self._accepting = True
         self._stop = threading.Event()
         self._timer: threading.Timer | None = None
         self._thread = threading.Thread(target=self._run, name="dflash-model-worker", daemon=True)
+        self._batch_cost = None  # the rows' shared cost model (engine/costmodel.py), built in the thread
         if metrics is not None:
-            metrics.track_queue(self._queue.qsize, lambda: int(self._active is not None))
+            metrics.track_queue(self._queue.qsize, lambda: len(self._active))
 
     # -- called from the server's threads -------------------------------------------------
     def start(self) -> "Worker":
@@ -108,12 +126,11 @@ class Worker:
     def abort_all(self, reason: str) -> None:
         with self._queue.mutex:
             waiting = list(self._queue.queue)
-        for job in waiting + [self._active]:
-            if job is not None:
-                job.cancel(reason)
+        for job in waiting + [a.job for a in list(self._active)]:
+            job.cancel(reason)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread (after the job it is on); jobs still queued end as aborted."""
+        """Stop the thread (at the next step boundary); running and queued jobs end as aborted."""
         self._accepting = False
         self.abort_all(SHUTDOWN_REASON)
         self._stop.set()
@@ -125,39 +142,84 @@ class Worker:
     # -- the worker thread ----------------------------------------------------------------
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        while not self._stop.is_set():
-            try:
-                job = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._active = job
-            try:
-                self._serve(job)
-            finally:
-                self._active = None
+        self._batch_cost = self.pipe.batch_cost() if self.max_batch > 1 else None
+        while not self._stop.is_set() or self._active:
+            self._admit()
+            if self._active:
+                self._step()
         while True:  # the thread is stopping: end whatever is still queued
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
             job.cancel(SHUTDOWN_REASON)
-            self._serve(job)
+            self._finish(job, Done("abort", int(job.input_ids.shape[1]), 0, SpecStats(), 0.0, 0.0), time.perf_counter())
 
-    def _serve(self, job: Job) -> None:
+    def _admit(self) -> None:
+        """Start waiting jobs, in arrival order, while the batch has room (wait a little for one
+        when nothing runs)."""
+        while len(self._active) < self.max_batch and not self._stop.is_set():
+            try:
+                job = self._queue.get(timeout=0.1) if not self._active else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        """The job's prefill and first token; it joins the batch unless it ended there."""
         started = time.perf_counter()
         if job.cancelled:  # the client left (or the server is ending) while it waited
             self._finish(job, Done("abort", int(job.input_ids.shape[1]), 0, SpecStats(), 0.0, 0.0), started)
             return
+        s = job.settings
+        text = TextStream(self.pipe, job.input_ids, s)
         try:
-            for event in generate_text(self.pipe, job.input_ids, job.settings, self._stop_ids, lambda: job.cancelled):
-                if isinstance(event, Done):
-                    self._finish(job, event, started)
-                else:
-                    self._emit(job, event)
-        except Exception as e:  # keep serving: this request fails, the next one runs
+            row = self.pipe.open_row(job.input_ids, s.max_tokens, SamplingParams(s.temperature, s.top_p, s.top_k),
+                                     make_generator(s), stop_token_ids=self._stop_ids, batch=self._batch_cost)
+            active = Active(job, row, text, started)
+            if row.max_new_tokens == 0:
+                self._end(active)
+                return
+            self._deliver(active, prefill(row, job.input_ids))
+        except Exception:
             log.exception("generation failed")
-            self._emit(job, Failed(f"the generation failed: an internal error ({type(e).__name__}), "
-                                   "logged on the server"))
+            self._emit(job, Failed("the generation failed: an internal error, logged on the server"))
+            return
+        if text.finish is None:
+            self._active.append(active)
+
+    def _step(self) -> None:
+        """One engine step for every running job; then each one's text, its end, or its abort."""
+        batch = self._active
+        try:
+            steps = engine_step([a.row for a in batch], self._batch_cost)
+        except Exception as e:  # keep serving: these requests fail, the next ones run
+            log.exception("generation failed")
+            for a in batch:
+                self._emit(a.job, Failed(f"the generation failed: an internal error ({type(e).__name__}), "
+                                         "logged on the server"))
+            self._active = []
+            return
+        if self.metrics is not None:
+            self.metrics.observe_step(len(batch), sum(len(s.tokens) for s in steps))
+        for a, s in zip(batch, steps):
+            self._deliver(a, s)
+        self._active = [a for a in batch if a.text.finish is None]
+
+    def _deliver(self, a: Active, step) -> None:
+        """A step's text to the job's client; the job's end when it ended or was cancelled."""
+        self._emit(a.job, a.text.feed(step))
+        if a.text.finish is None and a.job.cancelled:
+            a.text.finish = "abort"
+        if a.text.finish is not None:
+            self._end(a)
+
+    def _end(self, a: Active) -> None:
+        a.text.finish = a.text.finish or "length"
+        self.pipe.remember(a.text.tokens)  # the n-gram source may match it in later requests
+        if self._batch_cost is not None:
+            self.pipe.close_row(a.row)
+        self._finish(a.job, a.text.done(), a.started)
 
     def _finish(self, job: Job, done: Done, started: float) -> None:
         if self.metrics is not None:

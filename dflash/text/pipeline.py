@@ -4,21 +4,25 @@ is the one place a text-level caller starts the speculative loop."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from dflash.engine.config import DFlashConfig
 from dflash.engine.draft import DFlashDraftModel
-from dflash.engine.loop import Step, stream_generate
+from dflash.engine.loop import Row, Step, open_row, run_row
 from dflash.engine.policy import AdaptivePolicy
 from dflash.engine.proposers import PROPOSERS, TreeState, build_proposer
 from dflash.engine.request import SamplingParams
 from dflash.engine.suffix import GlobalSuffixIndex
 from dflash.engine.target import TargetModel, check_compatible
+
+if TYPE_CHECKING:
+    from dflash.engine.costmodel import BatchCost
 
 SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-instruct"
 POLICIES = ("fixed", "adaptive")
@@ -98,21 +102,57 @@ class Pipeline:
         """The speculative loop on this pipeline (engine.loop.stream_generate) with `spec`
         (default: the pipeline's own settings), stopping at `stop_token_ids` (default: the
         tokenizer's stop tokens)."""
+        return run_row(self.open_row(input_ids, max_new_tokens, params, generator, spec, stop_token_ids), input_ids)
+
+    def open_row(self, input_ids: torch.Tensor, max_new_tokens: int, params: SamplingParams = SamplingParams(),
+                 generator: torch.Generator | None = None, spec: SpecSettings | None = None, stop_token_ids=None,
+                 batch: BatchCost | None = None) -> Row:
+        """A request as a `Row` of the loop (engine/step.py), its proposer and policy built from
+        `spec` (default: the pipeline's settings). `batch`: the cost model shared by the rows of
+        a batch (`batch_cost()`); the row's tree then learns in a copy of the pipeline's tree state,
+        handed back by `close_row`, since rows of a batch interleave their steps."""
         spec = spec or self.spec
         block = self.block_size(spec)
         cost = self.cost_model() if spec.needs_cost_model and block > 1 else None
         policy = AdaptivePolicy(cost, block) if spec.adaptive_chain and block > 1 else None
         proposer = None
         if block > 1:
+            state = self.tree_state(spec.proposer, params)
             proposer = build_proposer(spec.proposer, self.draft, self.target, params,
                                       self.draft.config.mask_token_id if self.draft is not None else None,
-                                      generator, cost_model=cost, block_size=block,
+                                      generator, cost_model=batch if batch is not None and cost is not None else cost,
+                                      block_size=block,
                                       global_index=self.shared_index() if spec.shared_suffix else None,
-                                      state=self.tree_state(spec.proposer, params), layout=self.draft_layout())
+                                      state=copy.deepcopy(state) if batch is not None else state,
+                                      layout=self.draft_layout())
         stops = self.stop_token_ids if stop_token_ids is None else stop_token_ids
-        return stream_generate(self.draft, self.target, input_ids, max_new_tokens, stops, params,
-                               block, None, generator, draft_threshold=spec.draft_threshold, proposer=proposer,
-                               policy=policy, cost_model=cost)
+        return open_row(self.draft, self.target, input_ids, max_new_tokens, stops, params, block, None, generator,
+                        draft_threshold=spec.draft_threshold, proposer=proposer, policy=policy, cost_model=cost)
+
+    def close_row(self, row: Row, spec: SpecSettings | None = None) -> None:
+        """A finished row of a batch: what its tree learned becomes the pipeline's tree state."""
+        state = getattr(row.proposer, "state", None)
+        if isinstance(state, TreeState):
+            self._tree_states[((spec or self.spec).proposer, row.params.greedy)] = state
+
+    def default_max_batch(self) -> int:
+        """The largest batch a server runs by default on this machine (`costmodel.batch_limit`);
+        1 where the target's passes cannot be shared (nothing to measure)."""
+        from dflash.engine import static_decoder
+        from dflash.engine.costmodel import batch_limit
+
+        if not static_decoder.supports_rows(self.target.linears):
+            return 1
+        return batch_limit(self.cost_model())
+
+    def batch_cost(self) -> BatchCost | None:
+        """A cost model for the rows of one batch (engine/costmodel.py, `BatchCost`); None when
+        the settings size nothing by cost."""
+        if not (self.spec.needs_cost_model and self.block_size() > 1):
+            return None
+        from dflash.engine.costmodel import BatchCost
+
+        return BatchCost(self.cost_model())
 
     def draft_layout(self):
         """The draft's linears in the target's layout (`TargetModel.draft_layout`), built once

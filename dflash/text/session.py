@@ -65,41 +65,57 @@ def make_generator(settings: GenSettings) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed)
 
 
+class TextStream:
+    """One request's text as its loop steps arrive: detokenized, cut at stop strings and at its
+    time limit, with its statistics. `feed` takes each Step and gives the Delta to send;
+    `finish` is set once the request has ended ("stop", "length"; "abort" from the caller)."""
+
+    def __init__(self, pipe, input_ids: torch.Tensor, settings: GenSettings):
+        self.settings, self.prompt_tokens = settings, int(input_ids.shape[1])
+        self.decoder, self.stops, self.stats = IncrementalDecoder(pipe.tokenizer), StopMatcher(settings.stop), SpecStats()
+        self.start = time.perf_counter()
+        self.ttft, self.tokens, self.finish = 0.0, [], None
+
+    def feed(self, step) -> Delta:
+        if not self.tokens:
+            self.ttft = time.perf_counter() - self.start
+        self.tokens += step.tokens
+        self.stats.add_step(step)
+        text, hit = self.stops.feed(self.decoder.push(step.tokens))
+        end = step.finish_reason or _out_of_time(self.settings, self.start)
+        if end and not hit:  # the end: let out what was held back
+            tail, hit = self.stops.feed(self.decoder.flush())
+            text += tail if hit else tail + self.stops.flush()
+        if hit or end:
+            self.finish = "stop" if hit else end
+        return Delta(text, len(self.tokens), self.stats, time.perf_counter() - self.start)
+
+    def done(self) -> Done:
+        return Done(self.finish or "length", self.prompt_tokens, len(self.tokens), self.stats, self.ttft,
+                    time.perf_counter() - self.start)
+
+
 def generate_text(pipe, input_ids: torch.Tensor, settings: GenSettings, stop_token_ids,
                   cancelled: Callable[[], bool] = lambda: False) -> Iterator[Delta | Done]:
     """Run the speculative loop (`pipe.stream`, with the pipeline's SpecSettings); yield a
-    Delta per step and one Done at the end. `cancelled`
-    is checked between steps: when it turns true the generation ends with "abort". Past
-    `settings.time_limit` seconds it ends with "length", as at max_tokens."""
+    Delta per step and one Done at the end. `cancelled` is checked between steps: when it turns
+    true the generation ends with "abort". Past `settings.time_limit` seconds it ends with
+    "length", as at max_tokens."""
     params = SamplingParams(settings.temperature, settings.top_p, settings.top_k)
-    decoder, stops, stats = IncrementalDecoder(pipe.tokenizer), StopMatcher(settings.stop), SpecStats()
-    start = time.perf_counter()
-    ttft, tokens, finish = 0.0, [], "length"
+    text = TextStream(pipe, input_ids, settings)
     steps = pipe.stream(input_ids, settings.max_tokens, params, make_generator(settings), stop_token_ids=stop_token_ids)
     try:
         for step in steps:
-            if not tokens:
-                ttft = time.perf_counter() - start
-            tokens += step.tokens
-            n_tokens = len(tokens)
-            stats.add_step(step)
-            text, hit = stops.feed(decoder.push(step.tokens))
-            end = step.finish_reason or _out_of_time(settings, start)
-            if end and not hit:  # the end: let out what was held back
-                tail, hit = stops.feed(decoder.flush())
-                text += tail if hit else tail + stops.flush()
-            if hit or end:
-                finish = "stop" if hit else end
-                yield Delta(text, n_tokens, stats, time.perf_counter() - start)
+            yield text.feed(step)
+            if text.finish is not None:
                 break
-            yield Delta(text, n_tokens, stats, time.perf_counter() - start)
             if cancelled():
-                finish = "abort"
+                text.finish = "abort"
                 break
     finally:
         steps.close()
-    pipe.remember(tokens)  # the n-gram source may match it in later requests (when settings share one)
-    yield Done(finish, int(input_ids.shape[1]), len(tokens), stats, ttft, time.perf_counter() - start)
+    pipe.remember(text.tokens)  # the n-gram source may match it in later requests (when settings share one)
+    yield text.done()
 
 
 def _out_of_time(settings: GenSettings, start: float) -> str | None:

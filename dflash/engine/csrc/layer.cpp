@@ -1,4 +1,4 @@
-// The Llama decoder layers over the new rows of one sequence, at a low-bit precision, in one call.
+// The Llama decoder layers over the new rows of one or more sequences, at a low-bit precision, in one call.
 // A layer: RMSNorm, q/k/v (one stacked product), rotary, the K/V write, attention, o, residual,
 // RMSNorm, gate/up (stacked), SiLU(gate) * up, down, residual. What Python would spend on ~25
 // small ops a layer, times the layers, is one call; every step is row by row, so a row's bits do
@@ -79,31 +79,49 @@ LayerWeights layer_weights(const at::Tensor* w, const int64_t* bits, const at::T
                       norms.data_ptr<float>()};
 }
 
-// The shapes of a pass and the new rows' place in the K/V buffer.
+// The shapes of a pass: its rows are one or more sequences' new tokens (segments), each segment
+// with its own K/V buffer, cached length and mask.
+struct Segment {
+  int64_t start, count, past;  // its rows start..start+count-1 of the pass; its cached slots
+  float *k, *v;                // the layer's buffer of this sequence, (KV, S, D)
+  const bool* mask;            // (count, count) or nullptr: causal
+};
+
 struct Pass {
-  int64_t t, h, heads, groups, dim, past, head_stride;
-  const float *cos, *sin;  // (T, D)
-  const bool* mask;        // (T, T) or nullptr: causal
+  int64_t t, h, heads, groups, dim, head_stride;
+  const float *cos, *sin;  // (T, D), one row per new token
   float eps, scale;
 };
 
-// y (T, H) = the layer on x (T, H); writes the new rows' K and V at past.. of kb, vb (KV, S, D).
-void run_layer(const float* xp, float* y, const LayerWeights& w, const Pass& p, float* kb, float* vb) {
+// y (T, H) = the layer on x (T, H); writes each segment's new K and V at its past.. in its buffer.
+void run_layer(const float* xp, float* y, const LayerWeights& w, const Pass& p, std::vector<Segment>& segs) {
   const int64_t t = p.t, h = p.h, dim = p.dim, nq = p.heads * dim, nkv = p.groups * dim, gu_n = w.gu.n;
   std::vector<float> hn(t * h), qkv_out(t * (nq + 2 * nkv)), q(t * nq), att(t * nq), proj(t * h), gu_out(t * gu_n),
       act(t * gu_n / 2);
   rms_norm_rows(xp, t, h, w.norms, p.eps, hn.data());
   qmm_into(hn.data(), t, w.qkv, qkv_out.data());
-  for (int64_t r = 0; r < t; ++r) {
-    const float* row = qkv_out.data() + r * (nq + 2 * nkv);
-    const float *c = p.cos + r * dim, *sn = p.sin + r * dim;
-    for (int64_t a = 0; a < p.heads; ++a) rotate(row + a * dim, c, sn, dim, q.data() + r * nq + a * dim);
-    for (int64_t g = 0; g < p.groups; ++g) {
-      rotate(row + nq + g * dim, c, sn, dim, kb + g * p.head_stride + (p.past + r) * dim);
-      std::memcpy(vb + g * p.head_stride + (p.past + r) * dim, row + nq + nkv + g * dim, dim * sizeof(float));
+  for (const Segment& s : segs)
+    for (int64_t r = s.start; r < s.start + s.count; ++r) {
+      const float* row = qkv_out.data() + r * (nq + 2 * nkv);
+      const float *c = p.cos + r * dim, *sn = p.sin + r * dim;
+      const int64_t slot = s.past + r - s.start;
+      for (int64_t a = 0; a < p.heads; ++a) rotate(row + a * dim, c, sn, dim, q.data() + r * nq + a * dim);
+      for (int64_t g = 0; g < p.groups; ++g) {
+        rotate(row + nq + g * dim, c, sn, dim, s.k + g * p.head_stride + slot * dim);
+        std::memcpy(s.v + g * p.head_stride + slot * dim, row + nq + nkv + g * dim, dim * sizeof(float));
+      }
     }
+  auto attend_segment = [&](const Segment& s) {
+    attend_into(q.data() + s.start * nq, s.count, p.heads, dim, s.k, s.v, p.groups, p.head_stride, s.past, s.mask,
+                p.scale, att.data() + s.start * nq);
+  };
+  if (segs.size() == 1) {
+    attend_segment(segs[0]);  // its rows and heads in parallel
+  } else {  // a segment per job (attend_into runs serially inside): the same bits either way
+    at::parallel_for(0, (int64_t)segs.size(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) attend_segment(segs[i]);
+    });
   }
-  attend_into(q.data(), t, p.heads, dim, kb, vb, p.groups, p.head_stride, p.past, p.mask, p.scale, att.data());
   qmm_into(att.data(), t, w.o, proj.data());
   for (int64_t i = 0; i < t * h; ++i) y[i] = xp[i] + proj[i];
   rms_norm_rows(y, t, h, w.norms + h, p.eps, hn.data());
@@ -113,51 +131,62 @@ void run_layer(const float* xp, float* y, const LayerWeights& w, const Pass& p, 
   for (int64_t i = 0; i < t * h; ++i) y[i] += proj[i];
 }
 
-Pass pass_of(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t groups, int64_t past,
-             const at::Tensor& visible, double eps, double scale, int64_t heads, int64_t head_stride) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "llama_forward: x (T, H) float32");
-  const int64_t t = x.size(0);
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t && sin.sizes() == cos.sizes() &&
-              cos.scalar_type() == at::kFloat, "llama_forward: cos and sin (T, D) float32");
-  TORCH_CHECK(!visible.defined() || (visible.size(0) == t && visible.size(1) == t), "llama_forward: mask must be (T, T)");
-  return Pass{t, x.size(1), heads, groups, cos.size(1), past, head_stride, cos.data_ptr<float>(), sin.data_ptr<float>(),
-              visible.defined() ? visible.data_ptr<bool>() : nullptr, (float)eps, (float)scale};
-}
-
-at::Tensor visible_of(const c10::optional<at::Tensor>& mask) {
-  return mask.has_value() && mask->defined() ? mask->to(at::kBool).contiguous() : at::Tensor();
-}
-
-void check_buffer(const at::Tensor& k, const at::Tensor& v, int64_t dim, int64_t end) {
+void check_buffer(const at::Tensor& k, const at::Tensor& v, int64_t layers, int64_t dim, int64_t end) {
+  TORCH_CHECK(k.dim() == 5 && k.size(0) == layers && k.size(1) == 1, "llama_forward: each K/V buffer is (L, 1, KV, S, D)");
   TORCH_CHECK(k.scalar_type() == at::kFloat && k.stride(-1) == 1 && k.stride(-2) == dim && v.strides() == k.strides() &&
               v.sizes() == k.sizes() && k.size(-1) == dim && end <= k.size(-2), "llama_forward: the K/V buffer does not fit");
 }
 
 }  // namespace
 
-// Every Llama layer in one call. x (T, H); weights: per layer the [u, d, m] of its q/k/v stack,
-// o, gate/up stack and down, bits: theirs; norms (L, 2, H): each layer's two RMSNorm weights;
-// cos, sin (T, D); k_all, v_all (L, 1, KV, S, D): the K/V buffer, written at past..past+T-1;
-// mask (T, T) as attend's. Returns [x after the last layer, x after each layer of `keep`].
+// Every Llama layer in one call, over the new tokens of one or more sequences. x (T, H): the
+// segments' rows one after another, `counts` of them each; weights: per layer the [u, d, m] of its
+// q/k/v stack, o, gate/up stack and down, bits: theirs; norms (L, 2, H): each layer's two RMSNorm
+// weights; cos, sin (T, D); k_all[i], v_all[i] (L, 1, KV, S, D): segment i's K/V buffer, written at
+// pasts[i]..; masks[i] (count, count) bool: the new slots each of its rows sees (undefined: causal).
+// Returns [x after the last layer, x after each layer of `keep`].
 std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits,
                                       const at::Tensor& norms, double eps, const at::Tensor& cos, const at::Tensor& sin,
-                                      const at::Tensor& k_all, const at::Tensor& v_all, int64_t past,
-                                      const c10::optional<at::Tensor>& mask, double scale, int64_t heads,
+                                      at::TensorList k_all, at::TensorList v_all, at::IntArrayRef pasts,
+                                      at::IntArrayRef counts, at::TensorList masks, double scale, int64_t heads,
                                       at::IntArrayRef keep) {
-  const int64_t layers = norms.size(0);
-  TORCH_CHECK(k_all.dim() == 5 && k_all.size(0) == layers && k_all.size(1) == 1, "llama_forward: k_all (L, 1, KV, S, D)");
+  const int64_t layers = norms.size(0), nseg = (int64_t)counts.size();
   TORCH_CHECK((int64_t)weights.size() == 12 * layers && (int64_t)bits.size() == 4 * layers,
               "llama_forward: 12 weights and 4 bits a layer");
-  const at::Tensor visible = visible_of(mask);
-  const Pass p = pass_of(x, cos, sin, k_all.size(2), past, visible, eps, scale, heads, k_all.stride(2));
-  check_buffer(k_all, v_all, p.dim, past + p.t);
+  TORCH_CHECK(nseg >= 1 && (int64_t)k_all.size() == nseg && (int64_t)v_all.size() == nseg &&
+              (int64_t)pasts.size() == nseg && (masks.empty() || (int64_t)masks.size() == nseg),
+              "llama_forward: one buffer, past and count per segment (and a mask each, or none)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "llama_forward: x (T, H) float32");
+  const int64_t t = x.size(0);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == t && sin.sizes() == cos.sizes() &&
+              cos.scalar_type() == at::kFloat, "llama_forward: cos and sin (T, D) float32");
+  const int64_t dim = cos.size(1);
+  std::vector<at::Tensor> visible(nseg);
+  int64_t start = 0;
+  for (int64_t i = 0; i < nseg; ++i) {
+    check_buffer(k_all[i], v_all[i], layers, dim, pasts[i] + counts[i]);
+    TORCH_CHECK(k_all[i].size(2) == k_all[0].size(2) && k_all[i].stride(2) == k_all[0].stride(2),
+                "llama_forward: the segments' buffers disagree in shape");
+    if (!masks.empty() && masks[i].defined() && masks[i].numel() > 0) {
+      visible[i] = masks[i].to(at::kBool).contiguous();
+      TORCH_CHECK(visible[i].dim() == 2 && visible[i].size(0) == counts[i] && visible[i].size(1) == counts[i],
+                  "llama_forward: segment ", i, "'s mask must be (count, count)");
+    }
+    start += counts[i];
+  }
+  TORCH_CHECK(start == t, "llama_forward: the segments' counts add up to ", start, ", x has ", t, " rows");
+  const Pass p{t, x.size(1), heads, k_all[0].size(2), dim, k_all[0].stride(2), cos.data_ptr<float>(),
+               sin.data_ptr<float>(), (float)eps, (float)scale};
+  std::vector<Segment> segs(nseg);
   std::vector<at::Tensor> out(1 + keep.size());
   at::Tensor a = x.clone(), b = at::empty_like(x);
   for (int64_t l = 0; l < layers; ++l) {
     const LayerWeights w = layer_weights(weights.data() + 12 * l, bits.data() + 4 * l, norms[l], p.h,
                                          heads * p.dim, p.groups * p.dim);
-    run_layer(a.data_ptr<float>(), b.data_ptr<float>(), w, p, k_all[l][0].data_ptr<float>(),
-              v_all[l][0].data_ptr<float>());
+    for (int64_t i = 0, s0 = 0; i < nseg; s0 += counts[i], ++i)
+      segs[i] = Segment{s0, counts[i], pasts[i], k_all[i][l][0].data_ptr<float>(), v_all[i][l][0].data_ptr<float>(),
+                        visible[i].defined() ? visible[i].data_ptr<bool>() : nullptr};
+    run_layer(a.data_ptr<float>(), b.data_ptr<float>(), w, p, segs);
     std::swap(a, b);
     for (size_t j = 0; j < keep.size(); ++j)
       if (keep[j] == l) out[1 + j] = a.clone();

@@ -75,8 +75,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const c10::optional<at::Tensor>& mask, double scale);
 std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits,
                                       const at::Tensor& norms, double eps, const at::Tensor& cos, const at::Tensor& sin,
-                                      const at::Tensor& k_all, const at::Tensor& v_all, int64_t past,
-                                      const c10::optional<at::Tensor>& mask, double scale, int64_t heads,
+                                      at::TensorList k_all, at::TensorList v_all, at::IntArrayRef pasts,
+                                      at::IntArrayRef counts, at::TensorList masks, double scale, int64_t heads,
                                       at::IntArrayRef keep);
 
 }  // namespace dflash_lowbit

@@ -16,7 +16,8 @@ TORCH_LIBRARY(dflash_lowbit, lib) {
   lib.def("quantize(Tensor x) -> Tensor[]");
   lib.def("attend(Tensor q, Tensor k, Tensor v, int past, Tensor? mask, float scale) -> Tensor");
   lib.def("llama_forward(Tensor x, Tensor[] weights, int[] bits, Tensor norms, float eps, Tensor cos, Tensor sin, "
-          "Tensor(a!) k_all, Tensor(b!) v_all, int past, Tensor? mask, float scale, int heads, int[] keep) -> Tensor[]");
+          "Tensor[] k_all, Tensor[] v_all, int[] pasts, int[] counts, Tensor[] masks, float scale, int heads, "
+          "int[] keep) -> Tensor[]");
   lib.def("fast_path() -> bool", fast_path);
 }
 
