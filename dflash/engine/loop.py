@@ -77,7 +77,8 @@ def open_row(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, ma
         proposer = build_proposer(proposer or "draft", draft, target, params, checked.mask_id, generator,
                                   draft_window, timer, cost_model, block_size)
     stop = frozenset(int(t) for t in (stop_token_ids or ()))
-    return Row(target, target.new_cache(), params, generator, stop, checked.max_new_tokens, block_size, proposer,
+    room = input_ids.shape[1] + checked.max_new_tokens + block_size  # the longest the sequence gets, a block's slack
+    return Row(target, target.new_cache(room), params, generator, stop, checked.max_new_tokens, block_size, proposer,
                policy or ThresholdPolicy(draft_threshold), getattr(proposer, "layer_ids", None), timer)
 
 

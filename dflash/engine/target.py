@@ -197,8 +197,12 @@ class TargetModel:
             return None
         return draft.kernel_layout(self.kernel_table)
 
-    def new_cache(self) -> TargetCache | StaticTargetCache:
-        return StaticTargetCache(self.model) if self.static else TargetCache(self.model.config)
+    def new_cache(self, capacity: int | None = None) -> TargetCache | StaticTargetCache:
+        """A cache for one sequence; `capacity`: the positions it will hold at most (the static
+        buffer is allocated, zeroed, at that size, and grows past it; None: 1024)."""
+        if not self.static:
+            return TargetCache(self.model.config)
+        return StaticTargetCache(self.model) if capacity is None else StaticTargetCache(self.model, max(capacity, 1))
 
     @torch.inference_mode()
     def forward_hidden(self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None):

@@ -84,11 +84,12 @@ LayerWeights layer_weights(const at::Tensor* w, const int64_t* bits, const at::T
 struct Segment {
   int64_t start, count, past;  // its rows start..start+count-1 of the pass; its cached slots
   float *k, *v;                // the layer's buffer of this sequence, (KV, S, D)
+  int64_t head_stride;         // S * D: its buffer's length varies by sequence
   const bool* mask;            // (count, count) or nullptr: causal
 };
 
 struct Pass {
-  int64_t t, h, heads, groups, dim, head_stride;
+  int64_t t, h, heads, groups, dim;
   const float *cos, *sin;  // (T, D), one row per new token
   float eps, scale;
 };
@@ -107,12 +108,12 @@ void run_layer(const float* xp, float* y, const LayerWeights& w, const Pass& p, 
       const int64_t slot = s.past + r - s.start;
       for (int64_t a = 0; a < p.heads; ++a) rotate(row + a * dim, c, sn, dim, q.data() + r * nq + a * dim);
       for (int64_t g = 0; g < p.groups; ++g) {
-        rotate(row + nq + g * dim, c, sn, dim, s.k + g * p.head_stride + slot * dim);
-        std::memcpy(s.v + g * p.head_stride + slot * dim, row + nq + nkv + g * dim, dim * sizeof(float));
+        rotate(row + nq + g * dim, c, sn, dim, s.k + g * s.head_stride + slot * dim);
+        std::memcpy(s.v + g * s.head_stride + slot * dim, row + nq + nkv + g * dim, dim * sizeof(float));
       }
     }
   auto attend_segment = [&](const Segment& s) {
-    attend_into(q.data() + s.start * nq, s.count, p.heads, dim, s.k, s.v, p.groups, p.head_stride, s.past, s.mask,
+    attend_into(q.data() + s.start * nq, s.count, p.heads, dim, s.k, s.v, p.groups, s.head_stride, s.past, s.mask,
                 p.scale, att.data() + s.start * nq);
   };
   if (segs.size() == 1) {
@@ -165,8 +166,7 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weight
   int64_t start = 0;
   for (int64_t i = 0; i < nseg; ++i) {
     check_buffer(k_all[i], v_all[i], layers, dim, pasts[i] + counts[i]);
-    TORCH_CHECK(k_all[i].size(2) == k_all[0].size(2) && k_all[i].stride(2) == k_all[0].stride(2),
-                "llama_forward: the segments' buffers disagree in shape");
+    TORCH_CHECK(k_all[i].size(2) == k_all[0].size(2), "llama_forward: the segments' buffers disagree in K/V heads");
     if (!masks.empty() && masks[i].defined() && masks[i].numel() > 0) {
       visible[i] = masks[i].to(at::kBool).contiguous();
       TORCH_CHECK(visible[i].dim() == 2 && visible[i].size(0) == counts[i] && visible[i].size(1) == counts[i],
@@ -175,16 +175,17 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weight
     start += counts[i];
   }
   TORCH_CHECK(start == t, "llama_forward: the segments' counts add up to ", start, ", x has ", t, " rows");
-  const Pass p{t, x.size(1), heads, k_all[0].size(2), dim, k_all[0].stride(2), cos.data_ptr<float>(),
-               sin.data_ptr<float>(), (float)eps, (float)scale};
+  const Pass p{t, x.size(1), heads, k_all[0].size(2), dim, cos.data_ptr<float>(), sin.data_ptr<float>(), (float)eps,
+               (float)scale};
   std::vector<Segment> segs(nseg);
   std::vector<at::Tensor> out(1 + keep.size());
   at::Tensor a = x.clone(), b = at::empty_like(x);
   for (int64_t l = 0; l < layers; ++l) {
     const LayerWeights w = layer_weights(weights.data() + 12 * l, bits.data() + 4 * l, norms[l], p.h,
                                          heads * p.dim, p.groups * p.dim);
-    for (int64_t i = 0, s0 = 0; i < nseg; s0 += counts[i], ++i)
-      segs[i] = Segment{s0, counts[i], pasts[i], k_all[i][l][0].data_ptr<float>(), v_all[i][l][0].data_ptr<float>(),
+    for (int64_t i = 0, s0 = 0; i < nseg; s0 += counts[i], ++i)  // layer l of each buffer, by its stride (no views)
+      segs[i] = Segment{s0, counts[i], pasts[i], k_all[i].data_ptr<float>() + l * k_all[i].stride(0),
+                        v_all[i].data_ptr<float>() + l * v_all[i].stride(0), k_all[i].stride(2),
                         visible[i].defined() ? visible[i].data_ptr<bool>() : nullptr};
     run_layer(a.data_ptr<float>(), b.data_ptr<float>(), w, p, segs);
     std::swap(a, b);
