@@ -144,9 +144,9 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
         with PeakMemory() as mem:
             start = time.perf_counter()
             for i, step in enumerate(stream_generate(pipe.draft if block_size > 1 else None, pipe.target, input_ids,
-                                                     max_new_tokens, pipe.stop_token_ids, params, block_size,
-                                                     None, gen, draft_threshold=threshold, proposer=proposer,
-                                                     policy=policy, cost_model=cost)):
+                                                     max_new_tokens, stop_token_ids=pipe.stop_token_ids, params=params,
+                                                     block_size=block_size, generator=gen, draft_threshold=threshold,
+                                                     proposer=proposer, policy=policy, cost_model=cost)):
                 if i == 0:
                     ttft = time.perf_counter() - start
                 else:

@@ -62,8 +62,8 @@ def profile_steps(draft, target, input_ids, block_size: int, max_new_tokens: int
     timer = PartTimer(clock)
     per_step, wall, tokens = defaultdict(list), [], []
     snap, last = timer.snapshot(), clock()
-    for i, step in enumerate(stream_generate(draft, target, input_ids, max_new_tokens, (), SamplingParams(),
-                                             block_size, timer=timer)):
+    for i, step in enumerate(stream_generate(draft, target, input_ids, max_new_tokens, stop_token_ids=(),
+                                             params=SamplingParams(), block_size=block_size, timer=timer)):
         now = clock()
         if i > 0:
             wall.append(now - last)

@@ -60,7 +60,7 @@ class GenerationResult:
         return self.stats.num_drafts
 
 
-def open_row(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int,
+def open_row(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int, *,
              stop_token_ids=None, params: SamplingParams = SamplingParams(), block_size: int | None = None,
              mask_token_id: int | None = None, generator: torch.Generator | None = None,
              draft_window: int | None = None, draft_threshold: float = 0.0, timer: NullTimer = NULL_TIMER,
@@ -83,7 +83,7 @@ def open_row(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, ma
 
 
 @torch.inference_mode()
-def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int,
+def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, max_new_tokens: int, *,
                     stop_token_ids=None, params: SamplingParams = SamplingParams(), block_size: int | None = None,
                     mask_token_id: int | None = None, generator: torch.Generator | None = None,
                     draft_window: int | None = None, draft_threshold: float = 0.0,
@@ -94,9 +94,12 @@ def stream_generate(draft: DFlashDraftModel | None, target, input_ids: torch.Ten
     probability (fewer target tokens per step when the draft is unsure; 0: the whole block).
     `proposer`: a Proposer, or a name of `proposers.PROPOSERS` ("draft", the default: the draft's
     chain; "tree", "suffix", "hybrid"); `policy` (default: `ThresholdPolicy`) cuts chains;
-    `cost_model` (engine/costmodel.py) sizes trees; `timer` is the profiling seam."""
-    row = open_row(draft, target, input_ids, max_new_tokens, stop_token_ids, params, block_size, mask_token_id,
-                   generator, draft_window, draft_threshold, timer, proposer, policy, cost_model)
+    `cost_model` (engine/costmodel.py) sizes trees; `timer` is the profiling seam. A thin wrapper:
+    one `Row` (engine/step.py), its prefill, then `step([row])` until it ends."""
+    row = open_row(draft, target, input_ids, max_new_tokens, stop_token_ids=stop_token_ids, params=params,
+                   block_size=block_size, mask_token_id=mask_token_id, generator=generator, draft_window=draft_window,
+                   draft_threshold=draft_threshold, timer=timer, proposer=proposer, policy=policy,
+                   cost_model=cost_model)
     yield from run_row(row, input_ids)
 
 
@@ -133,9 +136,10 @@ def dflash_generate(model: DFlashDraftModel | None, target, input_ids: torch.Ten
     params = SamplingParams(temperature, top_p, top_k, rule)
     start = time.perf_counter()
     tokens, lengths, stats, ttft, finish = [], [], SpecStats(), 0.0, "length"
-    for i, step in enumerate(stream_generate(model, target, input_ids, max_new_tokens, stop_token_ids, params,
-                                             block_size, mask_token_id, generator, draft_window,
-                                             draft_threshold, proposer=proposer, policy=policy,
+    for i, step in enumerate(stream_generate(model, target, input_ids, max_new_tokens, stop_token_ids=stop_token_ids,
+                                             params=params, block_size=block_size, mask_token_id=mask_token_id,
+                                             generator=generator, draft_window=draft_window,
+                                             draft_threshold=draft_threshold, proposer=proposer, policy=policy,
                                              cost_model=cost_model)):
         tokens += step.tokens
         if i == 0:

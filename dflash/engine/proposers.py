@@ -290,7 +290,7 @@ class TreeProposer(Proposer):
             probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
             builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.vocab)
             self.state.observe_draft_ms((time.perf_counter() - start) * 1e3, self.draft_cost)
-        tree = builder.build(self._budget(builder.build(self.max_nodes, last.device)), last.device)
+        tree = builder.build(self.budget(builder.build(self.max_nodes, last.device)), last.device)
         self._last = (tree, weights)
         self._verify_from = (time.perf_counter(), len(tree) + 1)  # the verify pass runs until `commit`
         return tree
@@ -335,8 +335,9 @@ class TreeProposer(Proposer):
         state applies it (`TreeState.scale_verify`)."""
         return self.verify_cost(n) * (self.state.verify_scale if self.state.scale_verify else 1.0)
 
-    def _budget(self, tree: TokenTree) -> int:
-        """The number of best-first nodes n maximising (1 + their summed scores) / step time."""
+    def budget(self, tree: TokenTree) -> int:
+        """The number of `tree`'s best-first nodes n maximising (1 + their summed scores) / step
+        time, the step's draft pass charged when this step drafted (`drafted`)."""
         if self.verify_cost is None or len(tree) == 0:
             return len(tree)
         gain = torch.cat([tree.scores.new_zeros(1), tree.scores.cumsum(0)]).tolist()  # (N+1,) expected accepted
@@ -381,25 +382,29 @@ def offer_bucket(expected: float) -> int:
     return 1 + sum(expected >= edge for edge in OFFER_EDGES)
 
 
+@dataclass
 class DraftGain:
     """Tokens per ms of drafted steps, with the draft's nodes and (counterfactually) without
     them, exponentially forgotten at `decay` per drafted step. The draft pays while the first
     rate is at least the second; with no drafted step seen yet, it does."""
-
-    def __init__(self, decay: float = 0.9):
-        self.decay = decay
-        self.sums = [0.0, 0.0, 0.0, 0.0]  # tokens with, ms with, tokens without, ms without
+    decay: float = 0.9
+    tokens: float = 0.0  # committed by the drafted steps
+    ms: float = 0.0  # what they cost
+    tokens_without: float = 0.0  # what the same trees without the draft's own nodes would have committed
+    ms_without: float = 0.0  # and cost
 
     def observe(self, tokens: float, ms: float, tokens_without: float, ms_without: float) -> None:
-        self.sums = [self.decay * s + x for s, x in zip(self.sums, (tokens, ms, tokens_without, ms_without))]
+        d = self.decay
+        self.tokens, self.ms = d * self.tokens + tokens, d * self.ms + ms
+        self.tokens_without, self.ms_without = d * self.tokens_without + tokens_without, d * self.ms_without + ms_without
 
     def fade(self, keep: float) -> None:
         """Scale what was observed by `keep`: the next observations weigh more beside it."""
-        self.sums = [keep * s for s in self.sums]
+        self.tokens, self.ms, self.tokens_without, self.ms_without = (
+            keep * self.tokens, keep * self.ms, keep * self.tokens_without, keep * self.ms_without)
 
     def pays(self) -> bool:
-        tok, ms, tok0, ms0 = self.sums
-        return ms == 0 or tok * ms0 >= tok0 * ms
+        return self.ms == 0 or self.tokens * self.ms_without >= self.tokens_without * self.ms
 
 
 @dataclass

@@ -126,8 +126,9 @@ class Pipeline:
                                       state=copy.deepcopy(state) if batch is not None else state,
                                       layout=self.draft_layout())
         stops = self.stop_token_ids if stop_token_ids is None else stop_token_ids
-        return open_row(self.draft, self.target, input_ids, max_new_tokens, stops, params, block, None, generator,
-                        draft_threshold=spec.draft_threshold, proposer=proposer, policy=policy, cost_model=cost)
+        return open_row(self.draft, self.target, input_ids, max_new_tokens, stop_token_ids=stops, params=params,
+                        block_size=block, generator=generator, draft_threshold=spec.draft_threshold, proposer=proposer,
+                        policy=policy, cost_model=cost)
 
     def close_row(self, row: Row, spec: SpecSettings | None = None) -> None:
         """A finished row of a batch: what its tree learned becomes the pipeline's tree state."""
