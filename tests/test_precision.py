@@ -234,3 +234,34 @@ def test_the_portable_kernels_are_exact_and_compute_the_fast_paths_products(tmp_
     x = torch.randn(1, 11, 576, generator=torch.Generator().manual_seed(1))
     for fmt, y in portable.items():
         assert torch.equal(lowbit.QLinear(lowbit.quantize(w, fmt))(x), y), fmt
+
+
+NO_OPENMP_CHECK = """
+from dflash.engine import native
+from dflash.engine.lowbit import QLinear, quantize
+import torch
+assert native.available(), native.problem()
+w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+print(native.build_dir().name, float(QLinear(quantize(w, "q4_1"))(x).sum()))
+"""
+
+
+@pytest.mark.slow
+def test_a_compiler_without_openmp_builds_the_serial_kernels(tmp_path):
+    """Apple's clang has no -fopenmp: the build falls back to the serial kernels (same bits)."""
+    import os
+    import subprocess
+    import sys
+
+    cxx = tmp_path / "c++"  # the system compiler, refusing OpenMP
+    cxx.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec c++ "$@"\n')
+    cxx.chmod(0o755)
+    env = {**os.environ, "CXX": str(cxx), "DFLASH_CACHE": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", NO_OPENMP_CHECK], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    name, total = run.stdout.split()
+    assert name != native.build_dir(openmp=True).name  # the serial build's own folder
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    assert float(total) == float(lowbit.QLinear(lowbit.quantize(w, "q4_1"))(x).sum())  # the same bits

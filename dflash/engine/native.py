@@ -26,10 +26,10 @@ from dflash.engine import machine
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("qmm.cpp", "attend.cpp", "layer.cpp", "ops.cpp")  # and lowbit.h, which they share
 NAME = "dflash_lowbit"
-# no contraction: the float order is the source's; OpenMP: at::parallel_for (an inline template in torch's
-# headers) runs its threads only in code compiled with it, else serially
-FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]  # no contraction: the float order is the source's
+# at::parallel_for (an inline template in torch's headers) runs threads only in code compiled with
+# OpenMP, else serially; a compiler without OpenMP (Apple's clang) builds the serial kernels
+OPENMP = ["-fopenmp"]
 
 
 class _State:
@@ -39,15 +39,19 @@ class _State:
         self.lock = threading.Lock()
         self.tried = False
         self.error: str | None = None
+        self.openmp = True  # the loaded build's (the one tried first, until a build loads)
 
 
 _STATE = _State()
 
 
-def build_dir() -> Path:
-    """Where this source, compiled for this torch and Python, lives on this machine."""
+def build_dir(openmp: bool | None = None) -> Path:
+    """Where this source, compiled for this torch and Python (with OpenMP or not; None: as the
+    loaded build), lives on this machine."""
+    openmp = _STATE.openmp if openmp is None else openmp
     text = b"".join((CSRC / name).read_bytes() for name in SOURCES + ("lowbit.h",))
-    digest = hashlib.sha256(text + torch.__version__.encode() + " ".join(FLAGS).encode()
+    flags = FLAGS + (OPENMP if openmp else [])
+    digest = hashlib.sha256(text + torch.__version__.encode() + " ".join(flags).encode()
                             + sys.version.encode()).hexdigest()[:12]
     return machine.cache_dir() / f"native-{digest}"
 
@@ -72,20 +76,31 @@ def load(verbose: bool = False) -> bool:
         _STATE.tried = True
         _STATE.error = _compiler_problem()
         if _STATE.error is None:
-            try:
-                from torch.utils import cpp_extension
-
-                out = build_dir()
-                out.mkdir(parents=True, exist_ok=True)
-                if shutil.which("ninja") is None:  # the pip package's binary (torch's loader runs `ninja`)
-                    import ninja
-                    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-                cpp_extension.load(NAME, [str(CSRC / name) for name in SOURCES], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
-                                   build_directory=str(out),
-                                   is_python_module=False, verbose=verbose)
-            except Exception as e:  # a failed build leaves the engine on its torch kernels
-                _STATE.error = f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+            for openmp in (True, False):  # the threaded build, else the serial one
+                _STATE.error = _build(openmp, verbose)
+                if _STATE.error is None:
+                    _STATE.openmp = openmp
+                    break
         return _STATE.error is None
+
+
+def _build(openmp: bool, verbose: bool) -> str | None:
+    """Build and load the library (with OpenMP or not); None, or why it failed."""
+    try:
+        from torch.utils import cpp_extension
+
+        out = build_dir(openmp)
+        out.mkdir(parents=True, exist_ok=True)
+        if shutil.which("ninja") is None:  # the pip package's binary (torch's loader runs `ninja`)
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        extra = OPENMP if openmp else []
+        cpp_extension.load(NAME, [str(CSRC / name) for name in SOURCES], extra_cflags=FLAGS + extra,
+                           extra_ldflags=list(extra), build_directory=str(out), is_python_module=False,
+                           verbose=verbose)  # copies: the loader may add to its lists
+        return None
+    except Exception as e:  # a failed build leaves the engine on its torch kernels
+        return f"the build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
 
 
 def available() -> bool:
@@ -116,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if not load(verbose=False):
         print(f"dflash: the native kernels are not available: {_STATE.error}", file=sys.stderr)
         return 1
-    print(f"dflash: native kernels ready in {build_dir()} ({'AVX-512 VNNI' if fast_path() else 'portable'} code)")
+    print(f"dflash: native kernels ready in {build_dir()} ({'AVX-512 VNNI' if fast_path() else 'portable'} code, "
+          f"{'threaded (OpenMP)' if _STATE.openmp else 'one thread: the compiler has no OpenMP'})")
     return 0
 
 
