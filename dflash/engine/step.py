@@ -28,7 +28,7 @@ from dflash.engine.sampling import next_token, probabilities, verify_greedy, ver
 from dflash.engine.target import TargetModel
 from dflash.engine.timing import NULL_TIMER, NullTimer
 from dflash.engine.tree import TokenTree, path_rows, walk
-from dflash.engine.tree_verify import commit_path, tree_forward
+from dflash.engine.tree_verify import commit_path, tree_forward, tree_inputs
 
 Head = Callable[[object], torch.Tensor]  # rows (a slice or an index tensor) -> (1, R, V) logits
 
@@ -81,8 +81,7 @@ class Row:
     def _inputs(self, block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The verify pass's tokens (1+N,) [last ; proposals], their positions and mask (None: causal)."""
         if isinstance(block, TokenTree):
-            ids = torch.cat([self.last, block.tokens.to(self.last.device)])
-            return ids, block.positions(self.pos).to(ids.device), block.attention_mask().to(ids.device)
+            return tree_inputs(block, int(self.last), self.pos, self.last.device)
         ids = torch.cat([self.last, block.tokens[0]])
         return ids, torch.arange(self.pos, self.pos + len(ids), device=ids.device), None
 

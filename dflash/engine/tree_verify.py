@@ -33,9 +33,8 @@ def tree_forward(target: TargetModel, cache: TargetCache | StaticTargetCache, ro
     1+N positions to the cache. Returns the final normed hidden states (1, 1+N, H), ready for
     `target.logits`, and the chosen layers' outputs (1, 1+N, k*H) or None."""
     start = cache.length
-    ids = torch.cat([torch.tensor([int(root)], device=target.device), tree.tokens.to(target.device)])[None]  # (1, 1+N)
-    positions = tree.positions(start).to(target.device)[None]  # (1, 1+N)
-    mask = tree.attention_mask().to(target.device)  # (1+N, 1+N)
+    ids, positions, mask = tree_inputs(tree, int(root), start, target.device)
+    ids, positions = ids[None], positions[None]  # (1, 1+N)
     if isinstance(cache, StaticTargetCache):
         cache.kv.reserve(start + ids.shape[1])
         return static_decoder.forward(target.model, ids, positions, cache.kv, None, layer_ids, tree_mask=mask,
@@ -47,6 +46,13 @@ def tree_forward(target: TargetModel, cache: TargetCache | StaticTargetCache, ro
     if layer_ids:
         hidden = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # (1, 1+N, k*H)
     return out.last_hidden_state, hidden
+
+
+def tree_inputs(tree: TokenTree, root: int, start: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree pass's tokens [root ; nodes] (1+N,), their positions (the root at `start`, node i
+    at start + depth[i]) and its attention mask (1+N, 1+N)."""
+    ids = torch.cat([torch.tensor([root], device=device), tree.tokens.to(device)])
+    return ids, tree.positions(start).to(device), tree.attention_mask().to(device)
 
 
 def commit_path(cache: TargetCache | StaticTargetCache, committed_len: int, path: Sequence[int]) -> None:

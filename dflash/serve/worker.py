@@ -61,6 +61,12 @@ class Job:
         return self._cancel.is_set()
 
 
+def failed(e: Exception) -> Failed:
+    """A generation that raised: logged here, and told to its client without its internals."""
+    log.error("generation failed", exc_info=e)
+    return Failed(f"the generation failed: an internal error ({type(e).__name__}), logged on the server")
+
+
 @dataclass
 class Active:
     """A job being decoded: its loop row and its text."""
@@ -181,9 +187,8 @@ class Worker:
                 self._end(active)
                 return
             self._deliver(active, prefill(row, job.input_ids))
-        except Exception:
-            log.exception("generation failed")
-            self._emit(job, Failed("the generation failed: an internal error, logged on the server"))
+        except Exception as e:
+            self._emit(job, failed(e))
             return
         if text.finish is None:
             self._active.append(active)
@@ -194,10 +199,9 @@ class Worker:
         try:
             steps = engine_step([a.row for a in batch], self._batch_cost)
         except Exception as e:  # keep serving: these requests fail, the next ones run
-            log.exception("generation failed")
+            event = failed(e)
             for a in batch:
-                self._emit(a.job, Failed(f"the generation failed: an internal error ({type(e).__name__}), "
-                                         "logged on the server"))
+                self._emit(a.job, event)
             self._active = []
             return
         if self.metrics is not None:
