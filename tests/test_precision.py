@@ -2,6 +2,7 @@
 they claim, give a row the same bits whatever the rows beside it, and so speculative output
 equals plain decoding at the same precision, token for token; sampling keeps the law."""
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -265,3 +266,35 @@ def test_a_compiler_without_openmp_builds_the_serial_kernels(tmp_path):
     w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     assert float(total) == float(lowbit.QLinear(lowbit.quantize(w, "q4_1"))(x).sum())  # the same bits
+
+
+RELEASE_CHECK = """
+import os, torch
+from dflash.engine import native
+from dflash.engine.lowbit import QLinear, quantize
+assert native.available(), native.problem()
+torch.set_num_threads(2)
+tasks = lambda: len(os.listdir("/proc/self/task"))
+layer = QLinear(quantize(torch.randn(512, 256, generator=torch.Generator().manual_seed(0)), "q4_1"))
+x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+before = tasks()
+y = layer(x)  # a parallel region: this thread's OpenMP team starts
+started = tasks()
+released = native.release_threads()
+print(before, started, tasks(), released, torch.equal(layer(x), y))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_release_threads_ends_this_threads_openmp_team_and_it_comes_back():
+    """A server loads the model on one thread and runs it on another; the loading thread's idle
+    OpenMP team must go (libgomp stops spinning when it manages more threads than cores)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", RELEASE_CHECK], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    before, started, after, released, same = run.stdout.split()
+    if native.build_dir() == native.build_dir(openmp=True):  # the threaded build is loaded
+        assert int(started) > int(before) and int(after) < int(started) and released == "True"
+    assert same == "True"  # the next region runs (its team comes back), with the same bits

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from dflash.engine import native
 from dflash.engine.request import SamplingParams
 from dflash.engine.stats import SpecStats
 from dflash.engine.step import prefill
@@ -98,6 +99,7 @@ class Worker:
 
     # -- called from the server's threads -------------------------------------------------
     def start(self) -> "Worker":
+        native.release_threads()  # this thread loaded the model: its OpenMP team would slow the worker's
         self._thread.start()
         return self
 

@@ -3,9 +3,25 @@
 
 #include "lowbit.h"
 
+// OpenMP 5.0's pause call: libgomp has it since GCC 9 (whose _OPENMP still says 4.5), LLVM's libomp too
+#if defined(_OPENMP) && (defined(__clang__) || __GNUC__ >= 9)
+#include <omp.h>
+#define DFLASH_OMP_PAUSE 1
+#endif
+
 namespace dflash_lowbit {
 namespace {
 bool fast_path() { return has_avx512(); }
+
+// Ends the OpenMP threads the calling thread's parallel regions started (they come back when it
+// runs one again). True when there were OpenMP threads to end.
+bool release_threads() {
+#ifdef DFLASH_OMP_PAUSE
+  return omp_pause_resource_all(omp_pause_soft) == 0;
+#else
+  return false;
+#endif
+}
 }  // namespace
 }  // namespace dflash_lowbit
 
@@ -19,6 +35,7 @@ TORCH_LIBRARY(dflash_lowbit, lib) {
           "Tensor[] k_all, Tensor[] v_all, int[] pasts, int[] counts, Tensor[] masks, float scale, int heads, "
           "int[] keep) -> Tensor[]");
   lib.def("fast_path() -> bool", fast_path);
+  lib.def("release_threads() -> bool", release_threads);
 }
 
 TORCH_LIBRARY_IMPL(dflash_lowbit, CPU, lib) {
