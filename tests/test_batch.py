@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash.engine import native, static_decoder
-from dflash.engine.costmodel import BatchCost, CostModel, batch_limit
+from dflash.engine.costmodel import BatchCost, CostModel, SpeculationGate, batch_limit
 from dflash.engine.loop import open_row, run_row
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.step import prefill, step
@@ -123,6 +123,35 @@ def test_a_rows_share_of_a_shared_pass_falls_with_the_batch():
 
 
 @needs_native
+def test_a_shared_pass_charges_a_rows_proposals_their_measured_host_time():
+    share = BatchCost(_cost(0.2))
+    share.rows = 16
+    before = [share.verify_ms(n) for n in (1, 5)]
+    for _ in range(50):
+        share.observe_host(True, 0.9)  # a row step with a tree
+        share.observe_host(False, 0.1)  # a plain one
+    assert share.tree_host_ms() == pytest.approx(0.8)
+    assert share.verify_ms(1) == before[0]  # a plain step is not charged
+    assert share.verify_ms(5) == pytest.approx(before[1] + 0.8)
+    share.rows = 1
+    assert share.verify_ms(5) == _cost(0.2).verify_ms(5)  # alone: small beside its own pass, not charged
+
+
+def test_the_gate_stops_a_batch_speculating_where_plain_steps_measure_faster():
+    gate = SpeculationGate(probe_every=4)
+    assert gate.speculate(1)  # one row: its proposer decides
+    assert gate.speculate(16)  # each way measured first
+    gate.observe(16, True, tokens=20, ms=30.0)
+    assert not gate.speculate(16)
+    gate.observe(16, False, tokens=16, ms=16.0)  # plain: 1 token/ms beside 0.67
+    ways = [gate.speculate(16) for _ in range(10)]
+    assert ways.count(True) == 2 and ways[4] and ways[9]  # the other way tried every 4 steps
+    assert gate.speculate(3)  # another batch size: measured apart
+    for _ in range(20):
+        gate.observe(16, True, tokens=40, ms=30.0)  # proposals now pay (1.33 tokens/ms)
+    assert gate.speculate(16) and gate.speculate(16)
+
+
 def test_the_worker_batches_requests_and_each_answer_is_its_request_alone():
     """Eight requests at once on a worker of max_batch 4 (int4 tiny target, hybrid trees):
     every answer equals the request run alone; a cancelled one ends with "abort" at a step

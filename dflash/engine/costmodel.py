@@ -104,21 +104,97 @@ class BatchCost:
     batches rows propose less, stop drafting (a draft pass is the row's own) and decode plainly.
     With one row it is the cost model itself. The step sets `rows` before the rows propose."""
 
+    HOST_DECAY = 0.95  # the running means of host time forget at this rate per observed row step
+
     def __init__(self, model: CostModel):
         self.model, self.rows = model, 1
+        self.host_ms_speculating: float | None = None  # a row step with proposals: host ms (no draft pass)
+        self.host_ms_plain: float | None = None  # a plain row step
+        self.gate = SpeculationGate()  # whether the batch speculates at all, from its measured steps
 
     def sharing(self) -> int:
         """The rows sharing the pass now."""
         return self.rows
 
+    def observe_host(self, speculated: bool, ms: float) -> None:
+        """A row's host time in one step: its proposals and its commit, the draft pass excluded
+        (the step measures it)."""
+        old = self.host_ms_speculating if speculated else self.host_ms_plain
+        new = ms if old is None else self.HOST_DECAY * old + (1 - self.HOST_DECAY) * ms
+        if speculated:
+            self.host_ms_speculating = new
+        else:
+            self.host_ms_plain = new
+
+    def tree_host_ms(self) -> float:
+        """What proposals cost a row on the host beyond a plain step (building, verifying and
+        committing a tree): small beside a pass of its own, not beside its share of a pass of 16 rows."""
+        if self.host_ms_speculating is None or self.host_ms_plain is None:
+            return 0.0
+        return max(0.0, self.host_ms_speculating - self.host_ms_plain)
+
     def verify_ms(self, n: int, context: int | None = None) -> float:
-        return self.model.pass_ms(self.rows * n, self.rows, context) / self.rows
+        """The row's share of a pass where every row verifies n tokens, plus the host time of
+        its proposals (n > 1) while it shares the pass."""
+        share = self.model.pass_ms(self.rows * n, self.rows, context) / self.rows
+        return share + (self.tree_host_ms() if n > 1 and self.rows > 1 else 0.0)
 
     def draft_ms(self, block: int) -> float:
         return self.model.draft_ms(block)
 
     def rest_head_ms(self, k: int) -> float:
         return self.model.rest_head_ms(k)
+
+
+@dataclass
+class StepRate:
+    """Running sums of committed tokens and step time (ms), forgotten at `decay` per step."""
+    tokens: float = 0.0
+    ms: float = 0.0
+
+    def observe(self, tokens: int, ms: float, decay: float) -> None:
+        self.tokens, self.ms = decay * self.tokens + tokens, decay * self.ms + ms
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.ms if self.ms > 0 else 0.0
+
+
+class SpeculationGate:
+    """Whether a batch's rows propose at all this step, from what whole steps gave: committed
+    tokens per ms of steps with proposals and of plain steps, per batch size (powers of two).
+    Each row sizes its own proposals against its share of the pass (`BatchCost`), but every
+    row's host work, draft passes and extra verified tokens lengthen the step all rows wait
+    for; where that measures slower than plain steps the batch decodes plainly, trying the
+    other way every `probe_every` steps. One row alone always proposes (its proposer decides)."""
+
+    def __init__(self, decay: float = 0.9, probe_every: int = 16):
+        self.decay, self.probe_every = decay, probe_every
+        self.rates: dict[tuple[int, bool], StepRate] = {}  # (batch bucket, speculated) -> its steps
+        self.since_probe: dict[int, int] = {}  # batch bucket -> steps since the other way was tried
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << (rows - 1).bit_length()
+
+    def speculate(self, rows: int) -> bool:
+        if rows <= 1:
+            return True
+        b = self.bucket(rows)
+        spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
+        if spec is None or plain is None:  # measure each way first
+            return spec is None
+        better = spec.rate >= plain.rate
+        self.since_probe[b] = self.since_probe.get(b, 0) + 1
+        if self.since_probe[b] > self.probe_every:
+            self.since_probe[b] = 0
+            return not better
+        return better
+
+    def observe(self, rows: int, speculated: bool, tokens: int, ms: float) -> None:
+        """A whole step of `rows` rows (their proposals, the pass, their commits)."""
+        if rows > 1:
+            self.rates.setdefault((self.bucket(rows), speculated), StepRate()).observe(tokens, ms, self.decay)
 
 
 BATCH_LATENCY = 4.0  # a step of the default largest batch costs at most this many plain steps alone

@@ -273,7 +273,7 @@ class TreeProposer(Proposer):
         """The draft pass's cost in ms: as measured in this state's steps, else the cost model's."""
         return self._draft_cost if self.state.draft_ms is None else self.state.draft_ms
 
-    def propose(self, ctx_hidden, last, pos, size, want_conf=False) -> TokenTree:
+    def propose(self, ctx_hidden, last, pos, size, want_conf=False) -> TokenTree | Proposal:
         depth = size - 1  # the tree's paths may commit at most `size` tokens
         weights = {s: self.calibration.weight(s) for s in ("draft", "suffix", "global")}
         builder, offered = TreeBuilder(), 0.0
@@ -290,9 +290,12 @@ class TreeProposer(Proposer):
             probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
             builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.vocab)
             self.state.observe_draft_ms((time.perf_counter() - start) * 1e3, self.draft_cost)
-        tree = builder.build(self.budget(builder.build(self.max_nodes, last.device)), last.device)
+        nodes = self.budget(builder.build(self.max_nodes, last.device))
+        self._verify_from = (time.perf_counter(), nodes + 1)  # the verify pass runs until `commit`
+        if nodes == 0 and not self.drafted:  # nothing pays: a plain step, with no tree to learn from
+            return Proposal(torch.empty(1, 0, dtype=torch.long, device=last.device), source="tree")
+        tree = builder.build(nodes, last.device)
         self._last = (tree, weights)
-        self._verify_from = (time.perf_counter(), len(tree) + 1)  # the verify pass runs until `commit`
         return tree
 
     def _text_candidates(self, depth: int) -> list[tuple[str, list[Candidate]]]:
@@ -316,16 +319,18 @@ class TreeProposer(Proposer):
         """Run the draft pass this step? Yes while it wins on tokens per ms beside what the
         text sources offer this step (`DraftGain` of the offer's bucket), and once every
         `probe_every` skipped steps of that bucket (times the rows sharing the pass), and on this
-        request's first step in it (`TreeState.probe_first`)."""
+        request's first step in it while it has the pass to itself (`TreeState.probe_first`)."""
         skipped, unprobed = self.state.skipped, self.state.unprobed
-        if self.verify_cost is None or self.gain.pays() or self._offer in unprobed:
+        sharing = self.sharing() if self.sharing is not None else 1
+        first = self._offer in unprobed and sharing == 1  # a shared pass's rows do not each probe first
+        if self.verify_cost is None or self.gain.pays() or first:
             skipped[self._offer] = 0
             unprobed.discard(self._offer)
             return True
         skipped[self._offer] += 1
         # a probe is this row's own draft pass, which every row of a shared pass waits for: rows
         # probe as often together as one row alone
-        if skipped[self._offer] > self.probe_every * (self.sharing() if self.sharing is not None else 1):
+        if skipped[self._offer] > self.probe_every * sharing:
             skipped[self._offer] = 0
             return True
         return False
@@ -350,7 +355,7 @@ class TreeProposer(Proposer):
             self.draft.commit(tokens, None)
         if self.index is not None:
             self.index.extend(tokens)
-        if self._verify_from is not None and path is not None and self.verify_cost is not None:
+        if self._verify_from is not None and self.verify_cost is not None:
             start, n = self._verify_from
             self.state.observe_verify_ms((time.perf_counter() - start) * 1e3, self.verify_cost(n))
         self._verify_from = None

@@ -14,6 +14,7 @@ stop drafting, down to plain steps."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -67,10 +68,10 @@ class Row:
     finish: str | None = None
     ctx_hidden: torch.Tensor | None = None
 
-    def _propose(self) -> tuple[Proposal | TokenTree, bool]:
+    def _propose(self, speculate: bool = True) -> tuple[Proposal | TokenTree, bool]:
         """This step's proposals (a chain or a tree; empty: a plain step) and whether the draft ran."""
         size = min(self.block_size, self.max_new_tokens - self.generated)  # the step may commit `size` tokens
-        if self.proposer is None or size <= 1 or not self.policy.draft_now():
+        if self.proposer is None or size <= 1 or not speculate or not self.policy.draft_now():
             return Proposal(torch.empty(1, 0, dtype=torch.long, device=self.last.device)), False
         block = self.proposer.propose(self.ctx_hidden, self.last, self.pos, size, self.policy.needs_confidence)
         if isinstance(block, Proposal):
@@ -133,18 +134,43 @@ def prefill(row: Row, input_ids: torch.Tensor) -> Step:
 def step(rows: list[Row], batch_cost=None) -> list[Step]:
     """One step of every row (none finished): propose, verify all in one pass, commit each.
     `batch_cost` (costmodel.BatchCost, the one the rows' proposers were built with): told the
-    number of rows first, so each row sizes its proposals by its share of this pass."""
+    number of rows first, so each row sizes its proposals by its share of this pass; its gate
+    says whether the rows propose at all (measured whole steps, costmodel.SpeculationGate)."""
     if any(r.finish is not None for r in rows):
         raise ValueError("a finished row cannot take another step")
+    start = time.perf_counter()
+    speculate = True
     if batch_cost is not None:
         batch_cost.rows = len(rows)
-    proposed = [r._propose() for r in rows]  # [(block, drafted)]
+        speculate = batch_cost.gate.speculate(len(rows))
+    host = HostClock(len(rows))
+    proposed = [host.time(i, r._propose, speculate) for i, r in enumerate(rows)]  # [(block, drafted)]
     if len(rows) == 1 or not _together(rows):
         verdicts = [_verify_alone(r, block) for r, (block, _) in zip(rows, proposed)]
     else:
         verdicts = _verify_together(rows, [block for block, _ in proposed])
-    return [r._commit(block, path, accepted, token, hidden, drafted)
-            for r, (block, drafted), (path, accepted, token, hidden) in zip(rows, proposed, verdicts)]
+    steps = [host.time(i, r._commit, block, path, accepted, token, hidden, drafted)
+             for i, (r, (block, drafted), (path, accepted, token, hidden)) in enumerate(zip(rows, proposed, verdicts))]
+    if batch_cost is not None and len(rows) > 1:  # what proposals cost a row on the host, for its trees
+        for ms, (block, drafted) in zip(host.ms, proposed):
+            if not drafted:  # (a drafted step's time is mostly its draft pass, charged apart)
+                batch_cost.observe_host(len(block) > 0, ms)
+        batch_cost.gate.observe(len(rows), speculate, sum(len(s.tokens) for s in steps),
+                                (time.perf_counter() - start) * 1e3)
+    return steps
+
+
+class HostClock:
+    """Each row's host time in a step (its proposals and commit), in ms."""
+
+    def __init__(self, rows: int):
+        self.ms = [0.0] * rows
+
+    def time(self, i: int, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self.ms[i] += (time.perf_counter() - start) * 1e3
+        return out
 
 
 def _together(rows: list[Row]) -> bool:
