@@ -3,6 +3,7 @@ they claim, give a row the same bits whatever the rows beside it, and so specula
 equals plain decoding at the same precision, token for token; sampling keeps the law."""
 
 import os
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -188,6 +189,8 @@ def test_the_default_target_runs_its_own_gguf_blocks_and_speculation_is_exact():
     assert pipe.target.precision == "int4" and "its own blocks" in info["source"], info
     assert info["weights"] == {"960x576 q4_1": 30, "576x576 q4_1": 30, "3072x576 q4_1": 30, "576x1536 q4_1": 30,
                                "49152x576 q8_0": 1}
+    if sys.platform.startswith("linux"):  # the checked fp32 weights went back to their file
+        assert info["fp32_paged_out_mb"] > 500, info
     prompts = ["Write a Python function that merges two sorted lists.", "What is 15% of 240? Show the steps."]
     tokens = 256 if native.fast_path() else 32  # the portable kernels are far slower: a shorter check
     for prompt in prompts if native.fast_path() else prompts[:1]:

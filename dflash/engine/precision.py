@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash.engine import lowbit, native
+from dflash.engine import lowbit, native, pages
 from dflash.engine.projections import Projections, mlp_fn, norm_fn, split_outputs
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8", "int4")
@@ -135,6 +135,7 @@ class PrecisionLayout:
         profile's split of a step into products, attention and the rest)."""
         self.precision = precision
         self.source = "fp32 weights"
+        self.paged_out = 0  # bytes of the model's fp32 weights handed back to the file (pages.py)
         blocks = None
         if precision in FORMATS and gguf is not None:
             blocks = GGUFBlocks(model, gguf, FORMATS[precision])
@@ -178,6 +179,8 @@ class PrecisionLayout:
             for w, layer in zip(self.layers, model.model.layers)]
         self.fused = fused
         self.whole = _whole_model(model, self.layers, scale) if fused else None  # every layer in one call
+        if blocks is not None:  # checked against the GGUF and not read again here: back to the file
+            self.paged_out = pages.page_out(blocks.checked)
 
     def for_tokens(self, n: int) -> list[Projections]:
         return self._projections
@@ -196,6 +199,7 @@ class PrecisionLayout:
             kinds[lin.key] = kinds.get(lin.key, 0) + 1
         return {"precision": self.precision, "source": self.source, "weights": kinds,
                 "mb": round(self.extra_bytes / 2**20, 1),
+                "fp32_paged_out_mb": round(self.paged_out / 2**20, 1),
                 "kernels": sorted({n for lin in self.linears for n in getattr(lin, "names", ())}),
                 "native": f"{'AVX-512 VNNI' if native.fast_path() else 'portable C++'} ({native.build_dir().name})"}
 
@@ -259,6 +263,7 @@ class GGUFBlocks:
         self.reader = gguf.GGUFReader(str(path))
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.model, self.formats = model, formats
+        self.checked: list[torch.Tensor] = []  # the model's weights these blocks replace (read once, for the check)
         cfg = model.config
         self.heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
         self.usable = all(self._fmt(name) in formats for name in self.tensors
@@ -286,4 +291,5 @@ class GGUFBlocks:
         if not torch.equal(blocks.dequantize(), weight.detach().float().cpu()):
             raise PrecisionError(f"{name} of the GGUF does not dequantise to the model's {proj} weight: "
                                  "the model was not loaded from this GGUF")
+        self.checked.append(weight.detach())
         return blocks

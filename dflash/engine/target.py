@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.engine import kernels as kernel_choice
+from dflash.engine import pages
 from dflash.engine import precision as precisions
 from dflash.engine import projections
 from dflash.engine import static_decoder
@@ -177,6 +178,8 @@ class TargetModel:
         if key in self.head_rows_built:
             return self.head_rows_built[key]
         rows = self.head.weight.detach().index_select(0, ids.to(self.head.weight.device)).contiguous()  # (K, H)
+        if self.layout is not None and self.layout.paged_out:  # the fp32 head is not read by the target's pass
+            pages.page_out([self.head.weight])
         if not measured:
             return HeadRows(key, rows)
         built = HeadRows(key, rows)
