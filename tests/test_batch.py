@@ -123,20 +123,6 @@ def test_a_rows_share_of_a_shared_pass_falls_with_the_batch():
 
 
 @needs_native
-def test_a_shared_pass_charges_a_rows_proposals_their_measured_host_time():
-    share = BatchCost(_cost(0.2))
-    share.rows = 16
-    before = [share.verify_ms(n) for n in (1, 5)]
-    for _ in range(50):
-        share.observe_host(True, 0.9)  # a row step with a tree
-        share.observe_host(False, 0.1)  # a plain one
-    assert share.tree_host_ms() == pytest.approx(0.8)
-    assert share.verify_ms(1) == before[0]  # a plain step is not charged
-    assert share.verify_ms(5) == pytest.approx(before[1] + 0.8)
-    share.rows = 1
-    assert share.verify_ms(5) == _cost(0.2).verify_ms(5)  # alone: small beside its own pass, not charged
-
-
 def test_the_gate_stops_a_batch_speculating_where_plain_steps_measure_faster():
     gate = SpeculationGate(probe_every=4)
     assert gate.speculate(1)  # one row: its proposer decides

@@ -91,6 +91,28 @@ def test_a_skipped_draft_pass_is_not_charged_to_the_trees_budget():
     assert proposer.budget(tree) == 3  # 2.5/54 beats 1/51: the draft's pass is spent anyway
 
 
+def test_a_trees_measured_host_time_is_charged_to_its_budget():
+    """A step with proposals costs the host more than a plain one (the tree, its mask, its
+    walk and commit): the budget charges the measured difference to any tree."""
+    t = torch.tensor
+    tree = TokenTree(t([7, 8, 9]), t([-1, 0, 1]), t([1, 2, 3]), t([0.9, 0.5, 0.1]), ("suffix",) * 3)
+    proposer = TreeProposer(None, verify_cost=lambda n: 5.0 + 0.5 * n)
+    assert proposer.budget(tree) == 2  # 2.4/6.5 beats 1/5.5: free host time, two nodes pay
+    for _ in range(30):
+        proposer.observe_host(True, 8.5)
+        proposer.observe_host(False, 0.5)
+    assert proposer.state.tree_host_ms() == pytest.approx(8.0)
+    assert proposer.budget(tree) == 0  # 1.9/14, 2.4/14.5, 2.5/15 all lose to 1/5.5: a plain step
+    loop_state = TreeState()
+    model = tiny_target("llama")
+    target, draft = TargetModel(model), tiny_draft(model, block_size=8)
+    ids = torch.tensor([[3, 1, 4, 15, 9, 2, 6, 11]])
+    steps = list(gen.stream_generate(draft, target, ids, 30, block_size=8,
+                                     proposer=tree_proposer(target, draft, verify_cost=lambda n: 1.0, state=loop_state)))
+    assert [x for s in steps for x in s.tokens] == hf_greedy(model, ids, 30)[0, 8:].tolist()
+    assert loop_state.host_ms_tree is not None and loop_state.host_ms_tree > 0  # the loop measured its steps
+
+
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9, top_k=3)],
                          ids=["t1", "topk-topp"])
 def test_sampled_hybrid_tree_follows_the_target_distribution(params):
@@ -307,5 +329,6 @@ def test_the_loop_times_every_verify_pass_of_a_tree_proposer():
     proposer = tree_proposer(target, draft, verify_cost=lambda n: 1e-6, draft_cost=1e-6, state=state)
     steps = list(gen.stream_generate(draft, target, ids, 30, block_size=8, proposer=proposer))
     assert [t for s in steps for t in s.tokens] == hf_greedy(model, ids, 30)[0, 8:].tolist()
-    assert state.verify_timed == len(steps) - 1  # every step after the prefill
+    # every step after the prefill that asked the proposer (a last one with room for one token does not)
+    assert len(steps) - 2 <= state.verify_timed <= len(steps) - 1
     assert state.verify_scale == pytest.approx(4.0 - 3.0 * 0.8 ** state.verify_timed)

@@ -104,40 +104,16 @@ class BatchCost:
     batches rows propose less, stop drafting (a draft pass is the row's own) and decode plainly.
     With one row it is the cost model itself. The step sets `rows` before the rows propose."""
 
-    HOST_DECAY = 0.95  # the running means of host time forget at this rate per observed row step
-
     def __init__(self, model: CostModel):
         self.model, self.rows = model, 1
-        self.host_ms_speculating: float | None = None  # a row step with proposals: host ms (no draft pass)
-        self.host_ms_plain: float | None = None  # a plain row step
         self.gate = SpeculationGate()  # whether the batch speculates at all, from its measured steps
 
     def sharing(self) -> int:
         """The rows sharing the pass now."""
         return self.rows
 
-    def observe_host(self, speculated: bool, ms: float) -> None:
-        """A row's host time in one step: its proposals and its commit, the draft pass excluded
-        (the step measures it)."""
-        old = self.host_ms_speculating if speculated else self.host_ms_plain
-        new = ms if old is None else self.HOST_DECAY * old + (1 - self.HOST_DECAY) * ms
-        if speculated:
-            self.host_ms_speculating = new
-        else:
-            self.host_ms_plain = new
-
-    def tree_host_ms(self) -> float:
-        """What proposals cost a row on the host beyond a plain step (building, verifying and
-        committing a tree): small beside a pass of its own, not beside its share of a pass of 16 rows."""
-        if self.host_ms_speculating is None or self.host_ms_plain is None:
-            return 0.0
-        return max(0.0, self.host_ms_speculating - self.host_ms_plain)
-
     def verify_ms(self, n: int, context: int | None = None) -> float:
-        """The row's share of a pass where every row verifies n tokens, plus the host time of
-        its proposals (n > 1) while it shares the pass."""
-        share = self.model.pass_ms(self.rows * n, self.rows, context) / self.rows
-        return share + (self.tree_host_ms() if n > 1 and self.rows > 1 else 0.0)
+        return self.model.pass_ms(self.rows * n, self.rows, context) / self.rows
 
     def draft_ms(self, block: int) -> float:
         return self.model.draft_ms(block)

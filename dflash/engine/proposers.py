@@ -66,6 +66,10 @@ class Proposer:
         """The tokens the step committed: the accepted ones, then the recovered or bonus token
         (the new `last`); `path`: the accepted tree nodes of the last proposal when it was a tree."""
 
+    def observe_host(self, proposed: bool, ms: float) -> None:
+        """The host time of the step just committed (its proposals and commit, no draft pass);
+        `proposed`: whether it verified proposals (the loop measures it)."""
+
 
 @dataclass
 class DraftHead:
@@ -318,20 +322,27 @@ class TreeProposer(Proposer):
     def _draft_pays(self) -> bool:
         """Run the draft pass this step? Yes while it wins on tokens per ms beside what the
         text sources offer this step (`DraftGain` of the offer's bucket), and once every
-        `probe_every` skipped steps of that bucket (times the rows sharing the pass), and on this
+        `probe_every` skipped steps of that bucket (times the rows sharing the pass, times a wait
+        that doubles with each probe that did not pay: `TreeState.probe_wait`), and on this
         request's first step in it while it has the pass to itself (`TreeState.probe_first`)."""
         skipped, unprobed = self.state.skipped, self.state.unprobed
         sharing = self.sharing() if self.sharing is not None else 1
         first = self._offer in unprobed and sharing == 1  # a shared pass's rows do not each probe first
-        if self.verify_cost is None or self.gain.pays() or first:
+        pays = self.verify_cost is None or self.gain.pays()
+        if pays or first:
             skipped[self._offer] = 0
             unprobed.discard(self._offer)
+            if pays:
+                self.state.probe_wait[self._offer] = 1
             return True
         skipped[self._offer] += 1
         # a probe is this row's own draft pass, which every row of a shared pass waits for: rows
-        # probe as often together as one row alone
-        if skipped[self._offer] > self.probe_every * sharing:
+        # probe as often together as one row alone; each probe that finds the draft still not
+        # paying doubles the wait for the next (up to `max_probe_wait` times `probe_every`)
+        wait = self.state.probe_wait[self._offer]
+        if skipped[self._offer] > self.probe_every * wait * sharing:
             skipped[self._offer] = 0
+            self.state.probe_wait[self._offer] = min(2 * wait, self.state.max_probe_wait)
             return True
         return False
 
@@ -340,14 +351,19 @@ class TreeProposer(Proposer):
         state applies it (`TreeState.scale_verify`)."""
         return self.verify_cost(n) * (self.state.verify_scale if self.state.scale_verify else 1.0)
 
+    def observe_host(self, proposed: bool, ms: float) -> None:
+        self.state.observe_host(proposed, ms)
+
     def budget(self, tree: TokenTree) -> int:
         """The number of `tree`'s best-first nodes n maximising (1 + their summed scores) / step
-        time, the step's draft pass charged when this step drafted (`drafted`)."""
+        time, the step's draft pass charged when this step drafted (`drafted`), and a tree's
+        measured host time beyond a plain step's (`TreeState.tree_host_ms`) when n > 0."""
         if self.verify_cost is None or len(tree) == 0:
             return len(tree)
         gain = torch.cat([tree.scores.new_zeros(1), tree.scores.cumsum(0)]).tolist()  # (N+1,) expected accepted
         spent = self.draft_cost if self.drafted else 0.0  # a skipped draft pass costs this step nothing
-        rate = [(1 + g) / (spent + self._verify_ms(n + 1)) for n, g in enumerate(gain)]
+        host = self.state.tree_host_ms()
+        rate = [(1 + g) / (spent + (host if n else 0.0) + self._verify_ms(n + 1)) for n, g in enumerate(gain)]
         return max(range(len(rate)), key=rate.__getitem__)
 
     def commit(self, tokens, path) -> None:
@@ -430,6 +446,8 @@ class TreeState:
     gains: dict[int, DraftGain] = field(default_factory=lambda: {o: DraftGain() for o in OFFERS})
     skipped: dict[int, int] = field(default_factory=lambda: dict.fromkeys(OFFERS, 0))
     unprobed: set[int] = field(default_factory=set)  # the offer buckets this request has not drafted in yet
+    probe_wait: dict[int, int] = field(default_factory=lambda: dict.fromkeys(OFFERS, 1))  # x probe_every
+    max_probe_wait: int = 8
     draft_ms: float | None = None  # running mean of the timed draft passes; None: none timed yet
     verify_scale: float = 1.0  # running mean of timed verify passes over the cost model's figures (from 1)
     verify_timed: int = 0  # verify passes timed so far
@@ -438,6 +456,9 @@ class TreeState:
     gain_carry: float = 0.5  # 1: the gains carry over whole
     probe_first: bool = True
     decay: float = 0.8  # of the running mean of draft_ms
+    host_ms_tree: float | None = None  # running mean of a step's host ms with proposals (no draft pass)
+    host_ms_plain: float | None = None  # and of a plain step's
+    host_decay: float = 0.9
 
     def begin_request(self) -> None:
         self.calibration.fade(self.carry)
@@ -450,6 +471,23 @@ class TreeState:
         a pause of the machine) counts as 4x."""
         ms = min(ms, 4 * current) if current > 0 else ms
         self.draft_ms = ms if self.draft_ms is None else self.decay * self.draft_ms + (1 - self.decay) * ms
+
+    def observe_host(self, proposed: bool, ms: float) -> None:
+        """A step's host time (its proposals and commit, no draft pass), with proposals or plain."""
+        old = self.host_ms_tree if proposed else self.host_ms_plain
+        new = ms if old is None else self.host_decay * old + (1 - self.host_decay) * ms
+        if proposed:
+            self.host_ms_tree = new
+        else:
+            self.host_ms_plain = new
+
+    def tree_host_ms(self) -> float:
+        """What verifying proposals costs on the host beyond a plain step (building the tree, its
+        mask and inputs, walking and committing it): ~2 ms beside a 5.4 ms int4 step on the AMD
+        EPYC, and more than a row's share of a pass of 16 rows."""
+        if self.host_ms_tree is None or self.host_ms_plain is None:
+            return 0.0
+        return max(0.0, self.host_ms_tree - self.host_ms_plain)
 
     def observe_verify_ms(self, ms: float, modelled: float) -> None:
         """One timed verify pass (from the proposal's end to its commit) beside the cost model's

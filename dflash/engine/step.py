@@ -151,10 +151,10 @@ def step(rows: list[Row], batch_cost=None) -> list[Step]:
         verdicts = _verify_together(rows, [block for block, _ in proposed])
     steps = [host.time(i, r._commit, block, path, accepted, token, hidden, drafted)
              for i, (r, (block, drafted), (path, accepted, token, hidden)) in enumerate(zip(rows, proposed, verdicts))]
-    if batch_cost is not None and len(rows) > 1:  # what proposals cost a row on the host, for its trees
-        for ms, (block, drafted) in zip(host.ms, proposed):
-            if not drafted:  # (a drafted step's time is mostly its draft pass, charged apart)
-                batch_cost.observe_host(len(block) > 0, ms)
+    for r, ms, (block, drafted) in zip(rows, host.ms, proposed):  # what proposals cost a row on the host
+        if r.proposer is not None and not drafted:  # (a drafted step's time is mostly its draft pass)
+            r.proposer.observe_host(len(block) > 0, ms)
+    if batch_cost is not None and len(rows) > 1:
         batch_cost.gate.observe(len(rows), speculate, sum(len(s.tokens) for s in steps),
                                 (time.perf_counter() - start) * 1e3)
     return steps
