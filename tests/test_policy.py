@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash.engine.policy import AdaptivePolicy
+from dflash.engine.policy import AdaptivePolicy, StepPlan
 
 
 class FakeCosts:
@@ -26,13 +26,14 @@ def run(policy, steps, accept_prob, conf, proposed=15):
     position i's scripted verdict says so (deterministic: accept_prob as a run length)."""
     log = []
     for _ in range(steps):
-        if not policy.draft_now():
-            policy.observe(0, 0)
+        plan = policy.plan()
+        if not plan.draft:
+            policy.observe(plan, 0, 0)
             log.append(None)
             continue
-        k = policy.verify_count([conf] * proposed, proposed)
+        k = policy.verify_count(plan, [conf] * proposed, proposed)
         accepted = min(k, accept_prob)
-        policy.observe(k, accepted)
+        policy.observe(plan, k, accepted)
         log.append(k)
     return log
 
@@ -64,8 +65,9 @@ def test_expensive_verify_and_low_acceptance_decode_plainly_then_probe():
 def test_the_probe_brings_drafting_back_when_acceptance_recovers():
     p = AdaptivePolicy(FakeCosts(per_token=8.0, draft=10.0), 16, probe_every=4, max_probe_every=8)
     run(p, 60, accept_prob=0, conf=0.3)
-    assert not p.draft_now()
-    p.observe(0, 0)
+    plan = p.plan()
+    assert not plan.draft
+    p.observe(plan, 0, 0)
     log = run(p, 80, accept_prob=15, conf=0.95)  # the draft becomes good (say, the text turns repetitive)
     assert all(k is not None and k >= 8 for k in log[-20:])
 
@@ -74,8 +76,7 @@ def test_k_star_maximises_tokens_per_ms_with_the_draft_cost_included():
     costs = FakeCosts(base=10.0, per_token=1.0, draft=2.0)
     p = AdaptivePolicy(costs, 5, prior_weight=1e9)  # calibration pinned at 1: a_i = conf_i
     conf = [0.9, 0.8, 0.1, 0.9]
-    p.draft_now()
-    k = p.verify_count(conf, 4)
+    k = p.verify_count(p.plan(), conf, 4)
 
     def rate(k):
         e, run = 1.0, 1.0
@@ -98,10 +99,27 @@ def test_conf_may_be_any_sequence_and_proposed_zero_is_plain():
     import torch
 
     p = AdaptivePolicy(FakeCosts(per_token=0.1), 4)
-    assert p.draft_now()
-    assert p.verify_count(torch.tensor([0.99, 0.99, 0.99]), 3) == 3
-    p.observe(3, 3)
-    assert p.draft_now() and p.verify_count(None, 0) == 0
+    plan = p.plan()
+    assert plan.draft
+    assert p.verify_count(plan, torch.tensor([0.99, 0.99, 0.99]), 3) == 3
+    p.observe(plan, 3, 3)
+    plan = p.plan()
+    assert plan.draft and p.verify_count(plan, None, 0) == 0
+
+
+def test_a_steps_plan_carries_what_the_policy_learns_from_it():
+    """The plan of a probe verifies at least one proposal and takes its probabilities back to
+    `observe`; two plans in flight (rows of a batch) do not overwrite each other's."""
+    p = AdaptivePolicy(FakeCosts(per_token=8.0, draft=10.0), 16, probe_every=1, max_probe_every=1)
+    run(p, 10, accept_prob=0, conf=0.3)  # a losing draft: plain steps, a probe after each
+    plans = [p.plan() for _ in range(2)]
+    probe = next(x for x in plans if x.draft)
+    assert probe.probe and p.verify_count(probe, [0.01] * 15, 15) >= 1 and probe.conf == [0.01]
+    other = StepPlan(True)
+    assert p.verify_count(other, [0.99] * 15, 15) >= 0 and probe.conf == [0.01]
+    before = list(p.offered)
+    p.observe(probe, 1, 0)
+    assert p.offered[0] > before[0] * p.decay and p.conf_sum[0] < 0.02 + before[0]
 
 
 def test_block_size_one_is_refused():

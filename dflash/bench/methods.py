@@ -16,11 +16,10 @@ from typing import Callable
 import torch
 
 from dflash.bench.stats import Record
-from dflash.engine.loop import DraftHead, DraftProposer, stream_generate
-from dflash.engine.policy import AdaptivePolicy
-from dflash.engine.proposers import build_proposer
-from dflash.engine.stats import SpecStats
+from dflash.engine.loop import DraftHead, DraftProposer, open_row, run_row
 from dflash.engine.sampling import SamplingParams
+from dflash.engine.stats import SpecStats
+from dflash.text.pipeline import SpecSettings
 
 BASELINE = "target"  # the target alone through HF generate: every speedup is against it
 
@@ -115,38 +114,36 @@ def loop_method(block_size: int, settings: Settings, draft_vocab: int | None = N
     `context_vocab=False`: the chain's head keeps the draft vocabulary as shipped, not widened
     by the ids of the prompt and the answer (`DraftHead.widened`)."""
     vocab: dict[int, list[int]] = {}  # the draft vocabulary per pipeline, built on first use
-    costs: dict[int, object] = {}  # the cost model per pipeline, built on first use
+    views: dict[int, object] = {}  # per pipeline: itself, or a view on the settings' cost model
+    spec = SpecSettings(block_size, threshold, proposer_kind or "draft", "adaptive" if adaptive else "fixed")
 
     def run(pipe, input_ids, max_new_tokens) -> Record:
         gen = torch.Generator().manual_seed(settings.seed) if settings.temperature > 0 else None
         params = SamplingParams(settings.temperature)
-        proposer = None
+        if id(pipe) not in views:
+            views[id(pipe)] = pipe if settings.cost_source is None else pipe.with_cost_model(settings.cost_source(pipe))
+        view = views[id(pipe)]
+        head = None  # what-if heads of the draft's chain; else the pipeline builds proposer and policy
         if draft_vocab and block_size > 1:  # the draft proposes from the K most frequent ids only
             if id(pipe) not in vocab:
                 vocab[id(pipe)] = settings.vocab_source(pipe, draft_vocab)
-            proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
-                                     head=DraftHead.of(vocab[id(pipe)], pipe.target), layout=pipe.draft_layout())
+            head = {"head": DraftHead.of(vocab[id(pipe)], pipe.target)}
         elif not context_vocab and block_size > 1:
+            head = {"context_vocab": False}
+
+        def opened():  # the request's row (its cache allocated), timed with the request as the loop does
+            if head is None:
+                return view.open_row(input_ids, max_new_tokens, params, gen, spec)
             proposer = DraftProposer(pipe.draft, pipe.target, params, pipe.draft.config.mask_token_id, gen,
-                                     context_vocab=False, layout=pipe.draft_layout())
-        cost, policy = None, None
-        if proposer_kind is not None or adaptive:
-            if id(pipe) not in costs:
-                costs[id(pipe)] = (settings.cost_source or _measured_costs)(pipe)
-            cost = costs[id(pipe)]
-            if proposer_kind is not None:  # trees carry what they learned from request to request
-                mask_id = pipe.draft.config.mask_token_id if pipe.draft is not None else None
-                proposer = build_proposer(proposer_kind, pipe.draft, pipe.target, params, mask_id, gen,
-                                          cost_model=cost, block_size=block_size,
-                                          state=pipe.tree_state(proposer_kind, params), layout=pipe.draft_layout())
-            policy = AdaptivePolicy(cost, block_size) if adaptive else None
+                                     layout=pipe.draft_layout(), **head)
+            return open_row(pipe.draft, pipe.target, input_ids, max_new_tokens, stop_token_ids=pipe.stop_token_ids,
+                            params=params, block_size=block_size, generator=gen, draft_threshold=threshold,
+                            proposer=proposer)
+
         tokens, steps, ttft, finish, stats = [], [], 0.0, "length", SpecStats()
         with PeakMemory() as mem:
             start = time.perf_counter()
-            for i, step in enumerate(stream_generate(pipe.draft if block_size > 1 else None, pipe.target, input_ids,
-                                                     max_new_tokens, stop_token_ids=pipe.stop_token_ids, params=params,
-                                                     block_size=block_size, generator=gen, draft_threshold=threshold,
-                                                     proposer=proposer, policy=policy, cost_model=cost)):
+            for i, step in enumerate(run_row(opened(), input_ids)):
                 if i == 0:
                     ttft = time.perf_counter() - start
                 else:
@@ -181,12 +178,6 @@ def _loop_name(block_size: int) -> str:
 
 def _proposer_name(kind: str, block_size: int) -> str:
     return {"tree": "dflash-tree", "suffix": "suffix", "hybrid": "hybrid"}[kind] + f"-b{block_size}"
-
-
-def _measured_costs(pipe):
-    from dflash.engine.costmodel import load_or_measure
-
-    return load_or_measure(pipe.target, pipe.draft)
 
 
 # ---- HF generate: the target alone, and prompt lookup --------------------------------

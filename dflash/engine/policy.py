@@ -1,24 +1,34 @@
 """How many of a block's proposals a verify step checks. The loop asks its policy, before each
-step, whether to run the draft at all (`draft_now`), then how many of the K proposals to verify
-given the draft's own probability of each (`verify_count`), and tells it what was accepted
-(`observe`). A policy sees only the past and the draft's numbers, never the target's verdict on
-this step, so every policy keeps the output exact (greedy and sampled). No torch: the draft's
-probabilities come as any 1-d array with `tolist()` (a torch tensor, an mx or numpy array) or a
-sequence of floats, so the torch and MLX loops share the policies."""
+step, for a `StepPlan` (`plan`: whether to run the draft at all), then how many of the K
+proposals to verify given the draft's own probability of each (`verify_count`), and hands the
+plan back with what was accepted (`observe`): what one step's learning needs travels in its
+plan, not in the policy's fields. A policy sees only the past and the draft's numbers, never
+the target's verdict on this step, so every policy keeps the output exact (greedy and sampled).
+No torch: the draft's probabilities come as any 1-d array with `tolist()` (a torch tensor, an mx
+or numpy array) or a sequence of floats, so the torch and MLX loops share the policies."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
+
+
+@dataclass
+class StepPlan:
+    """A policy's decision for one step, handed back to it with the step's outcome."""
+    draft: bool  # run the draft this step (False: a plain step)
+    probe: bool = False  # a probe of the way back to drafting: verify at least one proposal
+    conf: list[float] = field(default_factory=list)  # the verified proposals' draft probabilities
 
 
 class VerifyPolicy(Protocol):
     needs_confidence: bool  # False: verify_count ignores conf, so the loop need not compute it
 
-    def draft_now(self) -> bool: ...
+    def plan(self) -> StepPlan: ...
 
-    def verify_count(self, conf: Sequence[float] | None, proposed: int) -> int: ...
+    def verify_count(self, plan: StepPlan, conf: Sequence[float] | None, proposed: int) -> int: ...
 
-    def observe(self, proposed: int, accepted: int) -> None: ...
+    def observe(self, plan: StepPlan, proposed: int, accepted: int) -> None: ...
 
 
 class ThresholdPolicy:
@@ -29,17 +39,17 @@ class ThresholdPolicy:
         self.threshold = threshold
         self.needs_confidence = threshold > 0
 
-    def draft_now(self) -> bool:
-        return True
+    def plan(self) -> StepPlan:
+        return StepPlan(True)
 
-    def verify_count(self, conf: Sequence[float] | None, proposed: int) -> int:
+    def verify_count(self, plan: StepPlan, conf: Sequence[float] | None, proposed: int) -> int:
         """conf: (K,) the draft's probability of each proposal -> the leading ones >= threshold."""
         if not self.needs_confidence or conf is None:
             return proposed
         values = conf.tolist() if hasattr(conf, "tolist") else list(conf)  # (K,) floats
         return next((i for i, c in enumerate(values) if not c >= self.threshold), len(values))
 
-    def observe(self, proposed: int, accepted: int) -> None:
+    def observe(self, plan: StepPlan, proposed: int, accepted: int) -> None:
         pass
 
 
@@ -56,9 +66,9 @@ class AdaptivePolicy:
     model (engine/costmodel.py); and a_i = min(1, s_i c_i), the draft's probability c_i of
     proposal i calibrated by this request's own acceptance so far: s_i = accepted / (sum of
     the c_i offered) at position i, exponentially forgotten, shrunk to the all-position ratio,
-    which starts at 1 (trust the draft). k* = 0 is a plain decode step: `draft_now` is False
+    which starts at 1 (trust the draft). k* = 0 is a plain decode step: `plan` does not draft
     when even the best k, at the mean calibrated probabilities seen so far, does not beat plain
-    decoding's 1 / T_t(1). The way back is a probe: after `probe_every` plain steps one step
+    decoding's 1 / T_t(1) (the plan: no draft). The way back is a probe: after `probe_every` plain steps one step
     drafts and verifies at least one proposal (the interval doubles after each probe that
     accepts nothing, up to `max_probe_every`, and resets once one accepts).
 
@@ -87,8 +97,6 @@ class AdaptivePolicy:
         self.accepted = [0.0] * k  # of which accepted
         self.mean_conf = [prior_conf] * k  # the draft's probability at each position, running mean over drafts
         self._conf_seen = 0.0
-        self._conf: list[float] = []  # this step's probabilities of the verified proposals
-        self._drafted = self._probing = False
         self._plain_run, self._interval = 0, probe_every
         self.plain_steps = self.probes = 0  # counters for reports
 
@@ -118,39 +126,37 @@ class AdaptivePolicy:
         return k, r
 
     # ---- the policy ----
-    def draft_now(self) -> bool:
+    def plan(self) -> StepPlan:
         expected = self.calibrated(self.mean_conf)
         if self.best(expected, self.block_size)[1] > 1.0 / self.t_plain:
-            self._drafted, self._probing, self._plain_run = True, False, 0
-            return True
+            self._plain_run = 0
+            return StepPlan(True)
         self._plain_run += 1
         if self._plain_run > self._interval:  # a probe: draft once, verify at least one proposal
-            self._drafted, self._probing, self._plain_run = True, True, 0
+            self._plain_run = 0
             self.probes += 1
-            return True
-        self._drafted = False
+            return StepPlan(True, probe=True)
         self.plain_steps += 1
-        return False
+        return StepPlan(False)
 
-    def verify_count(self, conf: Sequence[float] | None, proposed: int) -> int:
+    def verify_count(self, plan: StepPlan, conf: Sequence[float] | None, proposed: int) -> int:
         """conf: (K,) the draft's probability of each of its K = proposed proposals -> k*."""
         if proposed == 0:
-            self._conf = []
+            plan.conf = []
             return 0
         values = (conf.tolist() if hasattr(conf, "tolist") else list(conf))[:proposed] if conf is not None else None
         if values is None:
             values = self.mean_conf[:proposed]
         self._seen(values)
         a = self.calibrated(values)
-        k, _ = self.best(a, proposed + 1, least=1 if self._probing else 0)
-        self._conf = values[:k]
+        k, _ = self.best(a, proposed + 1, least=1 if plan.probe else 0)
+        plan.conf = values[:k]
         return k
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        if not self._drafted:
+    def observe(self, plan: StepPlan, proposed: int, accepted: int) -> None:
+        if not plan.draft:
             return
-        self._drafted = False
-        if self._probing:
+        if plan.probe:
             self._interval = self.probe_every if accepted else min(2 * self._interval, self.max_probe_every)
         if not proposed:
             return
@@ -158,13 +164,13 @@ class AdaptivePolicy:
         self.offered = [x * d for x in self.offered]
         self.conf_sum = [x * d for x in self.conf_sum]
         self.accepted = [x * d for x in self.accepted]
-        for i in range(min(proposed, accepted + 1, len(self._conf))):  # the positions the target tested
+        for i in range(min(proposed, accepted + 1, len(plan.conf))):  # the positions the target tested
             self.offered[i] += 1.0
-            self.conf_sum[i] += self._conf[i]
+            self.conf_sum[i] += plan.conf[i]
             self.accepted[i] += i < accepted
 
     def _seen(self, values: Sequence[float]) -> None:
-        """Running mean of the draft's probability per position (what draft_now expects next)."""
+        """Running mean of the draft's probability per position (what `plan` expects next)."""
         self._conf_seen = min(self._conf_seen + 1.0, 1.0 / (1.0 - self.decay))
         w = 1.0 / self._conf_seen  # the first draft replaces the prior, then a running mean
         for i, c in enumerate(values[: self.k_max]):

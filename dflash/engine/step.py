@@ -22,7 +22,7 @@ import torch
 
 from dflash.engine import static_decoder
 from dflash.engine.cache import StaticTargetCache
-from dflash.engine.policy import ThresholdPolicy, VerifyPolicy
+from dflash.engine.policy import StepPlan, ThresholdPolicy, VerifyPolicy
 from dflash.engine.proposers import Proposal, Proposer
 from dflash.engine.request import SamplingParams
 from dflash.engine.sampling import next_token, probabilities, verify_greedy, verify_match, verify_rejection
@@ -67,15 +67,18 @@ class Row:
     generated: int = 0
     finish: str | None = None
     ctx_hidden: torch.Tensor | None = None
+    plan: StepPlan = field(default_factory=lambda: StepPlan(False))  # the policy's plan for the step under way
 
     def _propose(self, speculate: bool = True) -> tuple[Proposal | TokenTree, bool]:
         """This step's proposals (a chain or a tree; empty: a plain step) and whether the draft ran."""
         size = min(self.block_size, self.max_new_tokens - self.generated)  # the step may commit `size` tokens
-        if self.proposer is None or size <= 1 or not speculate or not self.policy.draft_now():
+        asked = self.proposer is not None and size > 1 and speculate
+        self.plan = self.policy.plan() if asked else StepPlan(False)  # not asked: a plain step
+        if not self.plan.draft:
             return Proposal(torch.empty(1, 0, dtype=torch.long, device=self.last.device)), False
         block = self.proposer.propose(self.ctx_hidden, self.last, self.pos, size, self.policy.needs_confidence)
         if isinstance(block, Proposal):
-            block = block.slice(0, self.policy.verify_count(block.conf, block.size))
+            block = block.slice(0, self.policy.verify_count(self.plan, block.conf, block.size))
         self.ctx_hidden = None  # the draft pass consumed the context
         return block, self.proposer.drafted  # a tree proposer may skip the draft pass
 
@@ -106,7 +109,7 @@ class Row:
         if hidden is not None:  # the next context: what the draft has not seen yet
             seen = hidden[:, rows]  # (1, n, kH)
             self.ctx_hidden = seen if self.ctx_hidden is None else torch.cat([self.ctx_hidden, seen], dim=1)
-        self.policy.observe(len(block), len(accepted))
+        self.policy.observe(self.plan, len(block), len(accepted))
         if self.proposer is not None:
             self.proposer.commit(new, path)
         self.pos, self.generated = self.pos + len(new), self.generated + len(new)

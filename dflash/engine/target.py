@@ -178,10 +178,10 @@ class TargetModel:
         if key in self.head_rows_built:
             return self.head_rows_built[key]
         rows = self.head.weight.detach().index_select(0, ids.to(self.head.weight.device)).contiguous()  # (K, H)
-        if self.layout is not None and self.layout.paged_out:  # the fp32 head is not read by the target's pass
-            pages.page_out([self.head.weight])
-        if not measured:
+        if not measured:  # a few rows: their pages may stay
             return HeadRows(key, rows)
+        if self.layout is not None and self.layout.paged_out:  # a vocabulary's rows touch most of the fp32
+            pages.page_out([self.head.weight])  # head, which the target's pass does not read: back to the file
         built = HeadRows(key, rows)
         if self.kernel_table is not None:
             lin = self.kernel_table.linear(rows, None, kernel_choice.HEAD_BUCKETS, role="draft lm_head",

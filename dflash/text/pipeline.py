@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -217,6 +217,11 @@ class Pipeline:
         request to request (benchmarks/tree_state_ab.py)."""
         return Pipeline(self.target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec,
                         _cost_model=self._cost_model, _tree_states={(kind, greedy): state})
+
+    def with_cost_model(self, cost_model) -> "Pipeline":
+        """This pipeline (models, tokenizer, tree states) sizing its trees and chains by
+        `cost_model` instead of the machine's measured one (a benchmark's or a test's)."""
+        return replace(self, _cost_model=cost_model)
 
     def with_precision(self, precision: str) -> "Pipeline":
         """This model, tokenizer and draft on a new target adapter at `precision`

@@ -28,7 +28,7 @@ from dflash.backends.mlx.sampling import (
     verify_rejection,
 )
 from dflash.backends.mlx.target import MLXTarget, TargetCache, as_target
-from dflash.engine.policy import ThresholdPolicy, VerifyPolicy
+from dflash.engine.policy import StepPlan, ThresholdPolicy, VerifyPolicy
 from dflash.engine.request import SamplingParams, check_request
 
 
@@ -242,10 +242,10 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], *, max_tok
     empty = Proposal(mx.zeros((0,), dtype=mx.int32))
     while finish is None:
         size, block = min(block_size, max_tokens - generated), empty  # the block yields up to `size` tokens
-        drafted = size > 1 and policy.draft_now()
-        if drafted:
+        plan = policy.plan() if size > 1 else StepPlan(False)
+        if plan.draft:
             block = proposer.propose(ctx_hidden, last, pos, size, policy.needs_confidence)
-            block, ctx_hidden = block.slice(0, policy.verify_count(block.conf, block.size)), None
+            block, ctx_hidden = block.slice(0, policy.verify_count(plan, block.conf, block.size)), None
         verify_ids = mx.concatenate([mx.array([last], dtype=mx.int32), block.tokens.astype(mx.int32)])[None]  # (1, 1+K)
         final, hidden = target.forward_hidden(verify_ids, cache, layer_ids)  # (1, 1+K, H), (1, 1+K, kH)
         n_accepted, last = _verify(block, target, final[0], params, keys)
@@ -256,8 +256,8 @@ def stream_tokens(model, draft: MLXDraftModel | None, ids: list[int], *, max_tok
         if hidden is not None:  # the next context: what the draft has not seen yet
             seen = hidden[:, : len(new)]  # (1, n, kH)
             ctx_hidden = seen if ctx_hidden is None else mx.concatenate([ctx_hidden, seen], axis=1)
-        policy.observe(block.size, n_accepted)
+        policy.observe(plan, block.size, n_accepted)
         pos, generated = pos + len(new), generated + len(new)
         if finish is None and generated >= max_tokens:
             finish = "length"
-        yield Step(new, block.size, n_accepted, finish, drafted)
+        yield Step(new, block.size, n_accepted, finish, plan.draft)
