@@ -155,7 +155,8 @@ def step(rows: list[Row], batch_cost=None) -> list[Step]:
     steps = [host.time(i, r._commit, block, path, accepted, token, hidden, drafted)
              for i, (r, (block, drafted), (path, accepted, token, hidden)) in enumerate(zip(rows, proposed, verdicts))]
     for r, ms, (block, drafted) in zip(rows, host.ms, proposed):  # what proposals cost a row on the host
-        if r.proposer is not None and not drafted:  # (a drafted step's time is mostly its draft pass)
+        # (a drafted step's time is mostly its draft pass; a step the gate kept plain built nothing)
+        if r.proposer is not None and speculate and not drafted:
             r.proposer.observe_host(len(block) > 0, ms)
     if batch_cost is not None and len(rows) > 1:
         batch_cost.gate.observe(len(rows), speculate, sum(len(s.tokens) for s in steps),
