@@ -9,44 +9,26 @@ where it is, so the tensor's values never change. Elsewhere it does nothing."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import sys
-
-import torch
 
 MADV_PAGEOUT = 21  # Linux 5.4+
 
 
-class Pager:
-    """libc's madvise where the platform has MADV_PAGEOUT (Linux); else a no-op."""
-
-    def __init__(self):
-        self.madvise = None
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            self.madvise = libc.madvise
-            self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            self.madvise.restype = ctypes.c_int
-
-    def page_out(self, tensors) -> int:
-        """Advise the kernel to reclaim the whole pages of each (contiguous CPU) tensor; the
-        bytes advised (0 where the platform cannot)."""
-        if self.madvise is None:
-            return 0
-        advised = 0
-        for t in tensors:
-            if not t.is_contiguous() or t.device.type != "cpu":
-                continue
-            start, size = t.data_ptr(), t.numel() * t.element_size()
-            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the storage only
-            last = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
-            if last > first and self.madvise(first, last - first, MADV_PAGEOUT) == 0:
-                advised += last - first
-        return advised
-
-
 def page_out(tensors) -> int:
-    """`Pager().page_out(tensors)`."""
-    with torch.no_grad():
-        return Pager().page_out(list(tensors))
+    """Advise the kernel to reclaim the whole pages of each (contiguous CPU) tensor; the bytes
+    advised (0 where the platform cannot)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    madvise = ctypes.CDLL(None, use_errno=True).madvise  # libc's, from the process's own symbols
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    advised = 0
+    for t in tensors:
+        if not t.is_contiguous() or t.device.type != "cpu":
+            continue
+        start, size = t.data_ptr(), t.numel() * t.element_size()
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
+        last = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first and madvise(first, last - first, MADV_PAGEOUT) == 0:
+            advised += last - first
+    return advised
