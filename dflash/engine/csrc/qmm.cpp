@@ -158,6 +158,8 @@ void tile_scalar(const Weight& w, const Acts& x, int64_t t, int64_t r0, int64_t 
   tile_portable(w, x, t, r0, rows, y);
 }
 
+constexpr int64_t PF = 16;  // blocks ahead of the one in use (4 KiB of 4-bit weights)
+
 template <int R, bool NIB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 void tile_avx512(const Weight& w, const Acts& x, int64_t t, int64_t r0, float* y) {
@@ -166,6 +168,12 @@ void tile_avx512(const Weight& w, const Acts& x, int64_t t, int64_t r0, float* y
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* p = w.u + (t * w.nb + b) * w.block_bytes;
+    if (r0 == 0) {  // the first pass over a tile streams its weights from memory: ask for them ahead
+      const uint8_t* ahead = p + PF * w.block_bytes;
+      for (int64_t line = 0; line < w.block_bytes; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w.d + (t * w.nb + b + PF) * NC), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w.m + (t * w.nb + b + PF) * NC), _MM_HINT_T0);
+    }
     __m512i u[8];
     if (NIB) {
       for (int g = 0; g < 4; ++g) {
