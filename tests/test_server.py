@@ -26,8 +26,10 @@ from server_support import (  # noqa: F401  (pipe, server: the shared fixtures)
     wait_for,
 )
 
+from dflash.engine import native
 from dflash.engine.loop import dflash_generate
-from dflash.text.pipeline import SpecSettings
+from dflash.engine.target import TargetModel
+from dflash.text.pipeline import Pipeline, SpecSettings
 
 # -- answers -----------------------------------------------------------------------------
 
@@ -141,6 +143,26 @@ def test_acceptance_stats_in_usage_and_metrics(pipe):
         assert after[(p + "num_accepted_tokens_total", ())] == 14
         assert [after[(p + "num_accepted_tokens_per_pos_total", (("position", str(k)),))] for k in range(3)] == [5, 5, 4]
         assert after[("dflash:generation_tokens_total", ())] == 20
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.problem()}")
+def test_a_chats_next_turn_reuses_the_cached_conversation():
+    """On a low-bit target the second turn's prompt (the first turn and its reply) comes from the
+    prompt cache: the usage and /metrics say how many tokens, and the answer is the uncached one."""
+    base = tiny_pipeline()
+    pipe = Pipeline(TargetModel(base.target.model, precision="int4"), base.draft, base.tokenizer, False)
+    turn = [{"role": "user", "content": "the quick brown fox"}]
+    with LiveServer(pipe, model_name=MODEL) as s:
+        c = client(s.url)
+        first = c.chat.completions.create(model=MODEL, messages=turn, max_tokens=20, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        turn += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and the lazy dog"}]
+        second = c.chat.completions.create(model=MODEL, messages=turn, max_tokens=20, temperature=0)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens
+        assert metrics(s.url)[("dflash:prompt_tokens_cached_total", ())] == cached
+    assert second.choices[0].message.content == offline_chat(pipe.with_prompt_cache(0), turn, 20)
 
 
 def test_metrics_are_prometheus_text(server):

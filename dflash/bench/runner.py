@@ -156,6 +156,7 @@ def run_bench_command(args) -> int:
     prompts = load_prompts(datasets, args.prompts, args.limit)
     pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"),
                          precision=getattr(args, "precision", "auto"))
+    pipe = pipe.with_prompt_cache(0)  # every method computes every prompt: no method reuses another's prefill
     blocks = tuple(args.block_size or [pipe.draft.config.block_size])
     settings = Settings(blocks, args.temperature, args.seed, args.prompt_lookup, not args.no_loop_baseline,
                         tuple(args.draft_vocab), draft_thresholds=tuple(args.draft_threshold),

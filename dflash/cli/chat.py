@@ -149,6 +149,7 @@ def run_chat(args) -> int:
 
     pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"),
                          precision=getattr(args, "precision", "auto"), spec=spec_from_args(args))
+    pipe = pipe.with_prompt_cache(args.prompt_cache_mb)
     settings = GenSettings(args.max_new_tokens, args.temperature, args.top_p, 0, args.seed)
     view = None
     if not args.plain and sys.stdout.isatty():

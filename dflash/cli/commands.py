@@ -60,6 +60,13 @@ def spec_from_args(args):
     return SpecSettings(args.block_size, args.draft_threshold, args.proposer, args.policy)
 
 
+def add_prompt_cache(p) -> None:
+    p.add_argument("--prompt-cache-mb", type=float, default=256.0, metavar="MB",
+                   help="MiB of recent prompts' and replies' K/V kept, so a prompt that starts like an earlier "
+                        "one (a chat's next turn) computes only the rest; 0: off (default 256; low-bit "
+                        "targets on the native kernels)")
+
+
 def add_threads(p) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is often fastest for small models on busy CPUs)")

@@ -7,7 +7,8 @@ import logging
 import os
 import sys
 
-from dflash.cli.commands import add_model_args, add_spec_args, add_threads, deferred, set_threads, spec_from_args
+from dflash.cli.commands import (add_model_args, add_prompt_cache, add_spec_args, add_threads, deferred, set_threads,
+                                 spec_from_args)
 from dflash.serve.limits import PROMPT_CHARS_PER_TOKEN, Limits
 
 API_KEY_ENV = "DFLASH_API_KEY"
@@ -27,6 +28,7 @@ def add_serve(sub) -> None:
                         "1: one at a time (default: measured on this machine, 1 where the target's passes "
                         "cannot be shared)")
     add_spec_args(p)
+    add_prompt_cache(p)
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown (default 30)")
     p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
@@ -56,6 +58,7 @@ def add_serve(sub) -> None:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--max-new-tokens", type=int, default=256)
     add_spec_args(c)
+    add_prompt_cache(c)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--plain", action="store_true", help="no live status line (the default when not a terminal)")
     add_threads(c)
@@ -79,6 +82,7 @@ def run_serve(args) -> int:
     spec = dataclasses.replace(spec_from_args(args), shared_suffix=args.proposer in ("suffix", "hybrid"))
     pipe = Pipeline.load(args.target, args.draft, kernels=getattr(args, "kernels", "auto"),
                          precision=getattr(args, "precision", "auto"), spec=spec)
+    pipe = pipe.with_prompt_cache(args.prompt_cache_mb)
     name = args.model_name or default_name(args.target)
     limits = Limits(args.max_body_bytes, args.max_prompt_chars, args.max_tokens_default, args.max_tokens_limit,
                     args.request_timeout)

@@ -19,6 +19,7 @@ import torch
 
 from dflash.engine.errors import GenerationError
 from dflash.engine.policy import ThresholdPolicy, VerifyPolicy
+from dflash.engine.prompt_cache import PromptCache
 from dflash.engine.proposers import DraftHead, DraftProposer, Proposal, Proposer, build_proposer
 from dflash.engine.request import SamplingParams, check_request
 from dflash.engine.stats import SpecStats
@@ -64,9 +65,11 @@ def open_row(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, ma
              stop_token_ids=None, params: SamplingParams = SamplingParams(), block_size: int | None = None,
              mask_token_id: int | None = None, generator: torch.Generator | None = None,
              draft_window: int | None = None, draft_threshold: float = 0.0, timer: NullTimer = NULL_TIMER,
-             proposer: Proposer | str | None = None, policy: VerifyPolicy | None = None, cost_model=None) -> Row:
+             proposer: Proposer | str | None = None, policy: VerifyPolicy | None = None, cost_model=None,
+             prompt_cache: PromptCache | None = None) -> Row:
     """A sequence's `Row` (engine/step.py), its arguments checked, its proposer and policy built,
-    before its prefill (`step.prefill`); arguments as `stream_generate`'s."""
+    before its prefill (`step.prefill`); arguments as `stream_generate`'s, and `prompt_cache`
+    (engine/prompt_cache.py), which its prefill reads and adds to."""
     target = as_target(target)  # a bare HF model: an adapter running its own modules
     checked = _check_args(draft, target, input_ids, max_new_tokens, block_size, mask_token_id, draft_threshold,
                           proposer)
@@ -79,7 +82,8 @@ def open_row(draft: DFlashDraftModel | None, target, input_ids: torch.Tensor, ma
     stop = frozenset(int(t) for t in (stop_token_ids or ()))
     room = input_ids.shape[1] + checked.max_new_tokens + block_size  # the longest the sequence gets, a block's slack
     return Row(target, target.new_cache(room), params, generator, stop, checked.max_new_tokens, block_size, proposer,
-               policy or ThresholdPolicy(draft_threshold), getattr(proposer, "layer_ids", None), timer)
+               policy or ThresholdPolicy(draft_threshold), getattr(proposer, "layer_ids", None), timer,
+               prompts=prompt_cache)
 
 
 @torch.inference_mode()

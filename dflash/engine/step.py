@@ -23,6 +23,7 @@ import torch
 from dflash.engine import static_decoder
 from dflash.engine.cache import StaticTargetCache
 from dflash.engine.policy import StepPlan, ThresholdPolicy, VerifyPolicy
+from dflash.engine.prompt_cache import PromptCache, Transcript
 from dflash.engine.proposers import Proposal, Proposer
 from dflash.engine.request import SamplingParams
 from dflash.engine.sampling import next_token, probabilities, verify_greedy, verify_match, verify_rejection
@@ -68,6 +69,9 @@ class Row:
     finish: str | None = None
     ctx_hidden: torch.Tensor | None = None
     plan: StepPlan = field(default_factory=lambda: StepPlan(False))  # the policy's plan for the step under way
+    prompts: PromptCache | None = None  # recent prompts' K/V, where the prefill may start from
+    cached: int = 0  # prompt tokens whose K/V came from `prompts`
+    transcript: Transcript | None = None  # what the cache holds, for `prompts` when the row ends
 
     def _propose(self, speculate: bool = True) -> tuple[Proposal | TokenTree, bool]:
         """This step's proposals (a chain or a tree; empty: a plain step) and whether the draft ran."""
@@ -93,7 +97,7 @@ class Row:
                 drafted: bool) -> Step:
         """Keep the accepted tokens and `token` (the recovered or bonus one) in the cache, the
         proposer, the policy and the draft's next context."""
-        self.last = token
+        before, self.last = int(self.last), token
         new, finish = accepted + [int(token)], None
         for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
             if t in self.stop:
@@ -106,9 +110,11 @@ class Row:
         else:
             commit_path(self.cache, self.pos, path[:kept])  # keep the root and the accepted path, compacted
             rows, sources = path_rows(path[:kept], token.device), tuple(block.sources[i] for i in path[:kept])
-        if hidden is not None:  # the next context: what the draft has not seen yet
-            seen = hidden[:, rows]  # (1, n, kH)
+        seen = hidden[:, rows] if hidden is not None else None  # (1, n, kH): the positions kept
+        if seen is not None:  # the next context: what the draft has not seen yet
             self.ctx_hidden = seen if self.ctx_hidden is None else torch.cat([self.ctx_hidden, seen], dim=1)
+        if self.transcript is not None:
+            self.transcript.add([before] + new[:-1], seen)
         self.policy.observe(self.plan, len(block), len(accepted))
         if self.proposer is not None:
             self.proposer.commit(new, path)
@@ -116,13 +122,24 @@ class Row:
         if finish is None and self.generated >= self.max_new_tokens:
             finish = "length"
         self.finish = finish
+        if finish is not None and self.transcript is not None:  # prompt and reply, for a next turn
+            self.prompts.store(self, *self.transcript.whole())
+            self.transcript = None
         return Step(new, len(block), len(accepted), finish, sources, drafted)
 
 
 @torch.inference_mode()
 def prefill(row: Row, input_ids: torch.Tensor) -> Step:
-    """The prompt's pass: fills the row's cache and commits the target's first token."""
-    logits, row.ctx_hidden = row.target.forward(input_ids, row.cache, row.layer_ids, logits_to_keep=1)  # (1, 1, V)
+    """The prompt's pass: fills the row's cache (from its prompt cache as far as that holds the
+    prompt's start, the rest computed) and commits the target's first token."""
+    if row.prompts is not None:
+        row.cached, known = row.prompts.restore(row, input_ids)  # known: (1, cached, kH) | None
+    logits, hidden = row.target.forward(input_ids[:, row.cached:], row.cache, row.layer_ids,
+                                        logits_to_keep=1)  # (1, 1, V), (1, T - cached, kH) | None
+    row.ctx_hidden = hidden if not row.cached or hidden is None else torch.cat([known, hidden], dim=1)
+    if row.prompts is not None and row.prompts.serves(row):
+        row.prompts.store(row, input_ids, row.ctx_hidden)
+        row.transcript = Transcript(input_ids, row.ctx_hidden)
     row.last = next_token(logits[:, -1], row.params, row.generator)  # (1,)
     row.pos, row.generated = input_ids.shape[1], 1
     if row.proposer is not None:

@@ -45,6 +45,8 @@ class Metrics:
                                            "global; a token two sources proposed counts for both)", ["source"],
                                            registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
+        self.prompt_tokens_cached = Counter(p + "prompt_tokens_cached", "Prompt tokens whose K/V came from the "
+                                            "prompt cache (not computed)", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.success = Counter(p + "request_success", "Finished requests, by finish reason", ["finished_reason"],
                                registry=r)
@@ -89,6 +91,7 @@ class Metrics:
         for source, n in s.num_accepted_tokens_per_source.items():
             self.accepted_per_source.labels(source=source).inc(n)
         self.prompt_tokens.inc(done.prompt_tokens)
+        self.prompt_tokens_cached.inc(done.cached_tokens)
         self.generation_tokens.inc(done.completion_tokens)
         self.success.labels(finished_reason=done.finish_reason).inc()
         self.latency.observe(latency)

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -225,7 +225,7 @@ class Worker:
         self.pipe.remember(a.text.tokens)  # the n-gram source may match it in later requests
         if self._batch_cost is not None:
             self.pipe.close_row(a.row)
-        self._finish(a.job, a.text.done(), a.started)
+        self._finish(a.job, replace(a.text.done(), cached_tokens=a.row.cached), a.started)
 
     def _finish(self, job: Job, done: Done, started: float) -> None:
         if self.metrics is not None:

@@ -16,6 +16,7 @@ from dflash.engine.config import DFlashConfig
 from dflash.engine.draft import DFlashDraftModel
 from dflash.engine.loop import Row, Step, open_row, run_row
 from dflash.engine.policy import AdaptivePolicy
+from dflash.engine.prompt_cache import PromptCache
 from dflash.engine.proposers import PROPOSERS, DraftHead, TreeState, build_proposer
 from dflash.engine.request import SamplingParams
 from dflash.engine.suffix import GlobalSuffixIndex
@@ -78,6 +79,8 @@ class Pipeline:
     draft_trained: bool  # False: a random draft (tau ~1, a demonstration of the loop only)
     draft_path: str | None = None
     spec: SpecSettings = field(default_factory=SpecSettings)
+    prompts: PromptCache = field(default_factory=PromptCache)  # recent prompts' K/V (engine/prompt_cache.py);
+    # the with_* pipelines share it (its entries are per target adapter)
     _cost_model: object = field(default=None, repr=False)
     _shared: GlobalSuffixIndex | None = field(default=None, repr=False)
     _tree_states: dict[tuple[str, bool], TreeState] = field(default_factory=dict, repr=False)
@@ -128,7 +131,7 @@ class Pipeline:
         stops = self.stop_token_ids if stop_token_ids is None else stop_token_ids
         return open_row(self.draft, self.target, input_ids, max_new_tokens, stop_token_ids=stops, params=params,
                         block_size=block, generator=generator, draft_threshold=spec.draft_threshold, proposer=proposer,
-                        policy=policy, cost_model=cost)
+                        policy=policy, cost_model=cost, prompt_cache=self.prompts)
 
     def close_row(self, row: Row, spec: SpecSettings | None = None) -> None:
         """A finished row of a batch: what its tree learned becomes the pipeline's tree state."""
@@ -209,33 +212,40 @@ class Pipeline:
         on the same loaded target (`dflash bench --compare-draft`)."""
         d = DFlashDraftModel.from_pretrained(path)
         check_compatible(d.config, self.target)
-        return Pipeline(self.target, d, self.tokenizer, True, str(path), self.spec).warm()
+        return Pipeline(self.target, d, self.tokenizer, True, str(path), self.spec, self.prompts).warm()
 
     def with_tree_state(self, kind: str, state: TreeState, greedy: bool = True) -> "Pipeline":
         """This pipeline's models, tokenizer and cost model, whose `kind` trees (of greedy or
         sampled requests) start from `state`: one side of an A/B of what trees carry from
         request to request (benchmarks/tree_state_ab.py)."""
         return Pipeline(self.target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec,
-                        _cost_model=self._cost_model, _tree_states={(kind, greedy): state})
+                        self.prompts, _cost_model=self._cost_model, _tree_states={(kind, greedy): state})
 
     def with_cost_model(self, cost_model) -> "Pipeline":
         """This pipeline (models, tokenizer, tree states) sizing its trees and chains by
         `cost_model` instead of the machine's measured one (a benchmark's or a test's)."""
         return replace(self, _cost_model=cost_model)
 
+    def with_prompt_cache(self, capacity_mb: float) -> "Pipeline":
+        """This pipeline keeping recent prompts' K/V in a cache of its own of `capacity_mb` MiB
+        (0: none, every prompt computed in full)."""
+        return replace(self, prompts=PromptCache(capacity_mb))
+
     def with_precision(self, precision: str) -> "Pipeline":
         """This model, tokenizer and draft on a new target adapter at `precision`
         (engine/precision.py), with its own cost model and tree states: one side of a comparison
         of precisions on the same loaded model (`dflash bench --compare-precision`)."""
         target = TargetModel(self.target.model, kernels=self.target.kernels, precision=precision, gguf=self.target.gguf)
-        return Pipeline(target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec).warm()
+        return Pipeline(target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec,
+                        self.prompts).warm()
 
     def with_kernels(self, kernels: str) -> "Pipeline":
         """This model, tokenizer and draft on a new target adapter with the kernel setting
         `kernels` (engine/target.py), with its own cost model and tree states: one side of a
         comparison of kernel settings on the same loaded model (`dflash bench --compare-kernels`)."""
         target = TargetModel(self.target.model, kernels=kernels, precision=self.target.precision, gguf=self.target.gguf)
-        return Pipeline(target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec).warm()
+        return Pipeline(target, self.draft, self.tokenizer, self.draft_trained, self.draft_path, self.spec,
+                        self.prompts).warm()
 
     def warm(self) -> "Pipeline":
         """Measure (or read from the cache) this machine's cost model and build the draft's

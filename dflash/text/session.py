@@ -44,6 +44,7 @@ class Done:
     stats: SpecStats
     time_to_first_token: float  # seconds from the start of the generation
     elapsed: float
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prompt cache (engine/prompt_cache.py)
 
     @property
     def tokens_per_second(self) -> float:
@@ -53,6 +54,7 @@ class Done:
         """OpenAI's usage object plus this request's acceptance statistics and speed."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "spec_decode": self.stats.as_dict(),
                 "tokens_per_second": round(self.tokens_per_second, 3),
                 "time_to_first_token_s": round(self.time_to_first_token, 5)}
