@@ -208,7 +208,7 @@ from dflash.engine import lowbit, native
 from dflash.engine.target import TargetModel
 from dflash.model import dflash_generate
 from dflash.testing import tiny_draft, tiny_target
-assert native.available() and not native.fast_path()
+assert native.available() and native.simd() == sys.argv[2], native.simd()
 w = torch.randn(192, 576, generator=torch.Generator().manual_seed(0))
 x = torch.randn(1, 11, 576, generator=torch.Generator().manual_seed(1))
 torch.save({f: lowbit.QLinear(lowbit.quantize(w, f))(x) for f in ("q4_1", "q8_0")}, sys.argv[1])
@@ -221,22 +221,26 @@ for proposer in ("draft", "hybrid"):
 """
 
 
-def test_the_portable_kernels_are_exact_and_compute_the_fast_paths_products(tmp_path):
-    """The portable C++ code (what a CPU without AVX-512 VNNI runs; forced here by
-    $DFLASH_NATIVE_PORTABLE): speculative output equals plain decoding, and its products are
-    the bits of the AVX-512 code's where this CPU has it."""
+@pytest.mark.parametrize("simd", ["avx2", "portable"])
+def test_each_kernel_path_is_exact_and_computes_the_same_products(tmp_path, simd):
+    """The AVX2 and the portable C++ code (what CPUs without AVX-512 VNNI run; forced here by
+    $DFLASH_NATIVE_ISA): speculative output equals plain decoding, and the products are the bits
+    of the best code this CPU runs."""
     import os
     import subprocess
     import sys
 
-    out = tmp_path / "portable.pt"
-    env = {**os.environ, "DFLASH_NATIVE_PORTABLE": "1"}
-    run = subprocess.run([sys.executable, "-c", PORTABLE_CHECK, str(out)], env=env, capture_output=True, text=True)
+    if simd == "avx2" and native.simd() not in ("avx512", "avx2"):
+        pytest.skip("this CPU has no AVX2 with FMA and F16C")
+    out = tmp_path / f"{simd}.pt"
+    env = {**os.environ, "DFLASH_NATIVE_ISA": simd}
+    run = subprocess.run([sys.executable, "-c", PORTABLE_CHECK, str(out), simd], env=env, capture_output=True,
+                         text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    portable = torch.load(out)
+    got = torch.load(out)
     w = torch.randn(192, 576, generator=torch.Generator().manual_seed(0))
     x = torch.randn(1, 11, 576, generator=torch.Generator().manual_seed(1))
-    for fmt, y in portable.items():
+    for fmt, y in got.items():
         assert torch.equal(lowbit.QLinear(lowbit.quantize(w, fmt))(x), y), fmt
 
 

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 CACHE_ENV = "DFLASH_CACHE"
+NATIVE_ISA_ENV = "DFLASH_NATIVE_ISA"  # caps the native kernels' SIMD code (engine/native.py, csrc/lowbit.h)
 
 
 def cache_dir() -> Path:
@@ -76,11 +77,14 @@ def stale(entry: dict | None) -> bool:
 
 def machine_key() -> dict:
     """What a measured kernel or cost belongs to: another CPU, core count, torch or thread
-    count measures again."""
+    count, or a cap on the native kernels' SIMD code ($DFLASH_NATIVE_ISA) measures again."""
     import torch
 
-    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+    key = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(), "torch": torch.__version__,
+           "threads": torch.get_num_threads()}
+    if os.environ.get(NATIVE_ISA_ENV):
+        key["native_isa"] = os.environ[NATIVE_ISA_ENV]
+    return key
 
 
 def cache_path(kind: str, key: dict) -> Path:

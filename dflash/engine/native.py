@@ -114,10 +114,20 @@ def problem() -> str | None:
     return _STATE.error
 
 
+def simd() -> str:
+    """The SIMD code the kernels run on this CPU: "avx512" (AVX-512 VNNI), "avx2" (AVX2 with FMA
+    and F16C: the products; attention and the layers' other ops run the portable code) or
+    "portable" (C++ alone); "" when the kernels are not available. $DFLASH_NATIVE_ISA=avx2 or
+    =portable caps it (how the tests run each path on one CPU)."""
+    return str(torch.ops.dflash_lowbit.simd()) if available() else ""
+
+
 def fast_path() -> bool:
-    """The kernels run their AVX-512 VNNI code here (else their portable C++ code; set
-    $DFLASH_NATIVE_PORTABLE to run the portable code on any CPU)."""
-    return available() and bool(torch.ops.dflash_lowbit.fast_path())
+    """The kernels run SIMD code here (AVX-512 VNNI or AVX2), not their portable C++ alone."""
+    return simd() in ("avx512", "avx2")
+
+
+SIMD_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX2", "portable": "portable C++", "": "not built"}
 
 
 def release_threads() -> bool:
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if not load(verbose=False):
         print(f"dflash: the native kernels are not available: {_STATE.error}", file=sys.stderr)
         return 1
-    print(f"dflash: native kernels ready in {build_dir()} ({'AVX-512 VNNI' if fast_path() else 'portable'} code, "
+    print(f"dflash: native kernels ready in {build_dir()} ({SIMD_NAMES[simd()]} code, "
           f"{'threaded (OpenMP)' if _STATE.openmp else 'one thread: the compiler has no OpenMP'})")
     return 0
 

@@ -39,7 +39,7 @@ class PrecisionError(ValueError):
 def resolve(precision: str, model, gguf: Path | None = None) -> str:
     """The precision `precision` means for `model` (loaded from `gguf` when given): `auto` is
     the GGUF's own formats where the engine reads them and its kernels have their fast code on
-    this CPU (AVX-512 VNNI), else the checkpoint's dtype."""
+    this CPU (AVX-512 VNNI or AVX2), else the checkpoint's dtype."""
     if precision not in PRECISIONS:
         raise PrecisionError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision != "auto":
@@ -201,7 +201,7 @@ class PrecisionLayout:
                 "mb": round(self.extra_bytes / 2**20, 1),
                 "fp32_paged_out_mb": round(self.paged_out / 2**20, 1),
                 "kernels": sorted({n for lin in self.linears for n in getattr(lin, "names", ())}),
-                "native": f"{'AVX-512 VNNI' if native.fast_path() else 'portable C++'} ({native.build_dir().name})"}
+                "native": f"{native.SIMD_NAMES[native.simd()]} ({native.build_dir().name})"}
 
 
 def _fusable(model, layers: list[LayerWeights]) -> bool:

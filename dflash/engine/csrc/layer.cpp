@@ -18,14 +18,27 @@ float sum_squares_avx512(const float* x, int64_t n) {
   return _mm512_reduce_add_ps(acc);
 }
 
+__attribute__((target("avx2,fma")))
+float sum_squares_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  return hsum_avx2(acc);
+}
+
 // y = x / sqrt(mean(x^2) + eps) * w, row by row
 void rms_norm_rows(const float* x, int64_t rows, int64_t h, const float* w, float eps, float* y) {
-  const bool fast = has_avx512() && h % 16 == 0;
+  const Isa simd = isa() == Isa::avx512 && h % 16 == 0 ? Isa::avx512 : isa() != Isa::portable && h % 8 == 0
+                   ? Isa::avx2 : Isa::portable;
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * h;
     float ss = 0.f;
-    if (fast) {
+    if (simd == Isa::avx512) {
       ss = sum_squares_avx512(xr, h);
+    } else if (simd == Isa::avx2) {
+      ss = sum_squares_avx2(xr, h);
     } else {
       for (int64_t i = 0; i < h; ++i) ss = std::fmaf(xr[i], xr[i], ss);
     }
@@ -44,12 +57,24 @@ void silu_mul_avx512(const float* g, const float* u, int64_t n, float* y) {
   }
 }
 
+__attribute__((target("avx2,fma")))
+void silu_mul_avx2(const float* g, const float* u, int64_t n, float* y) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+}
+
 // y (rows, I) = silu(gu[:, :I]) * gu[:, I:]
 void silu_mul_rows(const float* gu, int64_t rows, int64_t inter, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* g = gu + r * 2 * inter;
     if (has_avx512() && inter % 16 == 0) {
       silu_mul_avx512(g, g + inter, inter, y + r * inter);
+    } else if (isa() == Isa::avx2 && inter % 8 == 0) {
+      silu_mul_avx2(g, g + inter, inter, y + r * inter);
     } else {
       for (int64_t i = 0; i < inter; ++i) y[r * inter + i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
     }

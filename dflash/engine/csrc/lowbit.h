@@ -19,15 +19,27 @@ constexpr int64_t QK = 32;  // weights per block
 constexpr int64_t NC = 16;  // output columns per tile
 constexpr int MR = 8;       // rows per register pass
 
-// The AVX-512 VNNI code runs where the CPU has it, unless $DFLASH_NATIVE_PORTABLE is set (the
-// portable code everywhere: how the tests check it on such a CPU).
-inline bool has_avx512() {
-  static const bool ok = std::getenv("DFLASH_NATIVE_PORTABLE") == nullptr &&
-                         __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
-  return ok;
+// The SIMD code the kernels run: AVX-512 VNNI where the CPU has it, else AVX2 (with FMA and F16C:
+// the products only; attention and the layer's other ops run the portable code), else portable
+// C++. $DFLASH_NATIVE_ISA ("avx2" or "portable") caps it: how the tests run every path on one CPU.
+enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
+
+inline Isa detect_isa() {
+  const char* cap = std::getenv("DFLASH_NATIVE_ISA");
+  const Isa limit = cap == nullptr ? Isa::avx512 : std::strcmp(cap, "avx2") == 0 ? Isa::avx2 : Isa::portable;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  const Isa found = avx512 ? Isa::avx512 : avx2 ? Isa::avx2 : Isa::portable;
+  return (int)found < (int)limit ? found : limit;
 }
+
+inline Isa isa() {
+  static const Isa found = detect_isa();
+  return found;
+}
+
+inline bool has_avx512() { return isa() == Isa::avx512; }
 
 float half_to_float(uint16_t h);
 
@@ -47,6 +59,32 @@ inline __m512 exp_avx512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// The same on 8 lanes, for AVX2 (x kept to [-87, 88], so 2^n is a normal float built from its bits)
+__attribute__((target("avx2,fma")))
+inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// The lanes' sum in a fixed order: halves, then pairs, then the last two
+__attribute__((target("avx2"), always_inline)) inline float hsum_avx2(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
 struct Weight {

@@ -11,7 +11,8 @@
 
 namespace dflash_lowbit {
 namespace {
-bool fast_path() { return has_avx512(); }
+// "avx512" (AVX-512 VNNI), "avx2" or "portable": the code the kernels run on this CPU
+std::string simd() { return isa() == Isa::avx512 ? "avx512" : isa() == Isa::avx2 ? "avx2" : "portable"; }
 
 // Ends the OpenMP threads the calling thread's parallel regions started (they come back when it
 // runs one again). True when there were OpenMP threads to end.
@@ -34,7 +35,7 @@ TORCH_LIBRARY(dflash_lowbit, lib) {
   lib.def("llama_forward(Tensor x, Tensor[] weights, int[] bits, Tensor norms, float eps, Tensor cos, Tensor sin, "
           "Tensor[] k_all, Tensor[] v_all, int[] pasts, int[] counts, Tensor[] masks, float scale, int heads, "
           "int[] keep) -> Tensor[]");
-  lib.def("fast_path() -> bool", fast_path);
+  lib.def("simd() -> str", simd);
   lib.def("release_threads() -> bool", release_threads);
 }
 
