@@ -77,7 +77,7 @@ def serve_flags() -> str:
     return out.stdout
 
 
-def dflash_config(name: str, args, port: int, has_max_batch: bool) -> Config:
+def dflash_config(name: str, args, port: int, has_max_batch: bool, has_prompt_cache: bool = False) -> Config:
     batch = 1 if name == "max1" else args.max_batch
     serve = ["--max-batch", str(batch)] if has_max_batch else []
     if name == "plain":
@@ -85,7 +85,10 @@ def dflash_config(name: str, args, port: int, has_max_batch: bool) -> Config:
     for flag in ("target", "draft", "precision"):
         if getattr(args, flag):
             serve += [f"--{flag}", getattr(args, flag)]
-    serve += ["--threads", str(args.threads), "--max-queue", str(max(64, *args.concurrency)), *args.serve_args.split()]
+    serve += ["--threads", str(args.threads), "--max-queue", str(max(64, *args.concurrency))]
+    if has_prompt_cache:  # prompts repeat across levels: measure decoding, as llama-server's --no-cache-prompt
+        serve += ["--prompt-cache-mb", "0"]
+    serve += args.serve_args.split()
     cmd = [sys.executable, "-m", "dflash.cli", "serve", "--port", str(port), "--log-level", "warning", *serve]
     note = "" if has_max_batch else "dflash serve has no --max-batch here: run without it (one request at a time)"
     return Config(name, "dflash serve " + " ".join(serve), "dflash", cmd, {"PYTHONPATH": str(ROOT)}, note=note)
@@ -138,10 +141,10 @@ def vllm_config(args, port: int) -> Config | str:
                   extra_body={"model": "target"})
 
 
-def make_config(name: str, args, has_max_batch: bool) -> Config | str:
+def make_config(name: str, args, has_max_batch: bool, has_prompt_cache: bool = False) -> Config | str:
     port = free_port()
     if name in DFLASH_CONFIGS:
-        return dflash_config(name, args, port, has_max_batch)
+        return dflash_config(name, args, port, has_max_batch, has_prompt_cache)
     if name == "llamacpp":
         return llamacpp_config(args, port)
     if name == "vllm":
@@ -263,7 +266,8 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict],
     usage = state["usage"] or {}
     return {"status": 200 if state["error"] is None else 500, "latency": time.perf_counter() - start,
             "ttft": state["first"] - start if "first" in state else None, "error": state["error"],
-            "tokens": int(usage.get("completion_tokens", 0)), "text": state["text"]}
+            "tokens": int(usage.get("completion_tokens", 0)), "text": state["text"], "usage": usage,
+            "timings": state.get("timings")}
 
 
 # ---- one level ----------------------------------------------------------------------------------
@@ -572,7 +576,8 @@ def run_config(cfg: Config, args, prompts: list, out_dir: Path) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
-    has_max_batch = "--max-batch" in serve_flags() if set(args.configs) & set(DFLASH_CONFIGS) else True
+    flags = serve_flags() if set(args.configs) & set(DFLASH_CONFIGS) else ""
+    has_max_batch = "--max-batch" in flags if flags else True
     if not has_max_batch:
         print("note: dflash serve has no --max-batch in this checkout: its configurations run without it")
     prompts = load_prompt_list(max(requests_for(c, args.requests_per_level) for c in args.concurrency), args.datasets)
@@ -581,7 +586,7 @@ def main(argv=None) -> int:
                                               "alone")}
     record = {"machine": machine_info(), "settings": settings, "configs": {}, "skipped": {}}
     for name in args.configs:
-        cfg = make_config(name, args, has_max_batch)
+        cfg = make_config(name, args, has_max_batch, "--prompt-cache-mb" in flags)
         if isinstance(cfg, str):
             print(cfg, flush=True)
             record["skipped"][name] = cfg

