@@ -106,14 +106,15 @@ def markdown(record: dict) -> str:
              f"{s['conversations']} MT-Bench question pairs, each as two requests (turn 2 carries turn 1 and "
              f"the server's own answer), max_tokens {s['max_tokens']}, greedy, one request at a time, "
              f"{s['threads']} threads. Medians.", "",
-             "| configuration | command | turn 1 TTFT (s) | turn 2 prompt tokens | turn 2 cached | turn 2 TTFT (s) "
-             "| turn 2 latency (s) |", "|---|---|---|---|---|---|---|"]
+             "| configuration | command | failed | turn 1 TTFT (s) | turn 2 prompt tokens | turn 2 cached "
+             "| turn 2 TTFT (s) | turn 2 latency (s) |", "|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f="{:.3f}": "—" if x is None else f.format(x)  # noqa: E731
     for name, cfg in record["configs"].items():
         a, b = cfg["summary"]["turn1"], cfg["summary"]["turn2"]
-        lines.append(f"| `{name}` | `{cfg['label']}` | {fmt(a['ttft_p50_s'])} | {fmt(b['prompt_tokens_p50'], '{:.0f}')}"
+        lines.append(f"| `{name}` | `{cfg['label']}` | {a['failed']} + {b['failed']} | {fmt(a['ttft_p50_s'])} "
+                     f"| {fmt(b['prompt_tokens_p50'], '{:.0f}')}"
                      f" | {fmt(b['cached_tokens_p50'], '{:.0f}')} | {fmt(b['ttft_p50_s'])} | {fmt(b['latency_p50_s'])} |")
-    lines += [f"| `{name}` | skipped: {why} | | | | | |" for name, why in record["skipped"].items()]
+    lines += [f"| `{name}` | skipped: {why} | | | | | | |" for name, why in record["skipped"].items()]
     ex = record.get("exactness")
     if ex:
         lines += ["", f"Exactness: **{ex['differ']} of {ex['compared']}** texts of `cached` differ from `uncached`'s "
