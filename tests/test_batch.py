@@ -130,8 +130,12 @@ def test_the_gate_stops_a_batch_speculating_where_plain_steps_measure_faster():
     gate.observe(16, True, tokens=20, ms=30.0)
     assert not gate.speculate(16)
     gate.observe(16, False, tokens=16, ms=16.0)  # plain: 1 token/ms beside 0.67
-    ways = [gate.speculate(16) for _ in range(10)]
-    assert ways.count(True) == 2 and ways[4] and ways[9]  # the other way tried every 4 steps
+    ways = []
+    for _ in range(40):
+        ways.append(gate.speculate(16))
+        gate.observe(16, ways[-1], tokens=20 if ways[-1] else 16, ms=30.0 if ways[-1] else 16.0)
+    probes = [i for i, way in enumerate(ways) if way]
+    assert probes == [4, 13, 30]  # the other way tried after 4 steps, then 8, then 16: each probe lost
     assert gate.speculate(3)  # another batch size: measured apart
     for _ in range(20):
         gate.observe(16, True, tokens=40, ms=30.0)  # proposals now pay (1.33 tokens/ms)

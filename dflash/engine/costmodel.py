@@ -142,35 +142,50 @@ class SpeculationGate:
     Each row sizes its own proposals against its share of the pass (`BatchCost`), but every
     row's host work, draft passes and extra verified tokens lengthen the step all rows wait
     for; where that measures slower than plain steps the batch decodes plainly, trying the
-    other way every `probe_every` steps. One row alone always proposes (its proposer decides)."""
+    other way after `probe_every` steps, a wait that doubles with each probe that changes
+    nothing (up to `max_probe_every`: a probe of 16 rows' proposals costs ~4 plain steps) and
+    starts again when one does. One row alone always proposes (its proposer decides)."""
 
-    def __init__(self, decay: float = 0.9, probe_every: int = 16):
-        self.decay, self.probe_every = decay, probe_every
+    def __init__(self, decay: float = 0.9, probe_every: int = 16, max_probe_every: int = 256):
+        self.decay, self.probe_every, self.max_probe_every = decay, probe_every, max_probe_every
         self.rates: dict[tuple[int, bool], StepRate] = {}  # (batch bucket, speculated) -> its steps
         self.since_probe: dict[int, int] = {}  # batch bucket -> steps since the other way was tried
+        self.wait: dict[int, int] = {}  # batch bucket -> steps between probes
+        self.probing: dict[int, bool] = {}  # batch bucket -> the way that was faster when its probe began
 
     @staticmethod
     def bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()
 
+    def _faster(self, b: int) -> bool | None:
+        """Whether steps with proposals measure faster in bucket b (None: not both measured)."""
+        spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
+        return None if spec is None or plain is None else spec.rate >= plain.rate
+
     def speculate(self, rows: int) -> bool:
         if rows <= 1:
             return True
         b = self.bucket(rows)
-        spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
-        if spec is None or plain is None:  # measure each way first
-            return spec is None
-        better = spec.rate >= plain.rate
+        better = self._faster(b)
+        if better is None:  # measure each way first
+            return (b, True) not in self.rates
         self.since_probe[b] = self.since_probe.get(b, 0) + 1
-        if self.since_probe[b] > self.probe_every:
+        if self.since_probe[b] > self.wait.get(b, self.probe_every):
             self.since_probe[b] = 0
+            self.probing[b] = better
             return not better
         return better
 
     def observe(self, rows: int, speculated: bool, tokens: int, ms: float) -> None:
         """A whole step of `rows` rows (their proposals, the pass, their commits)."""
-        if rows > 1:
-            self.rates.setdefault((self.bucket(rows), speculated), StepRate()).observe(tokens, ms, self.decay)
+        if rows <= 1:
+            return
+        b = self.bucket(rows)
+        self.rates.setdefault((b, speculated), StepRate()).observe(tokens, ms, self.decay)
+        before = self.probing.pop(b, None)
+        if before is not None:  # the probe's step: did it change which way is faster?
+            wait = self.wait.get(b, self.probe_every)
+            self.wait[b] = min(2 * wait, self.max_probe_every) if self._faster(b) == before else self.probe_every
 
 
 BATCH_LATENCY = 4.0  # a step of the default largest batch costs at most this many plain steps alone
