@@ -136,7 +136,10 @@ def test_the_gate_stops_a_batch_speculating_where_plain_steps_measure_faster():
         gate.observe(16, ways[-1], tokens=20 if ways[-1] else 16, ms=30.0 if ways[-1] else 16.0)
     probes = [i for i, way in enumerate(ways) if way]
     assert probes == [4, 13, 30]  # the other way tried after 4 steps, then 8, then 16: each probe lost
-    assert gate.speculate(3)  # another batch size: measured apart
+    assert gate.speculate(3)  # a smaller batch size: measured apart
+    assert not gate.speculate(32)  # a larger one starts plainly (plain steps were faster at 16)...
+    gate.observe(32, False, tokens=32, ms=40.0)
+    assert [gate.speculate(32) for _ in range(5)] == [False] * 4 + [True]  # ...until its first probe
     for _ in range(20):
         gate.observe(16, True, tokens=40, ms=30.0)  # proposals now pay (1.33 tokens/ms)
     assert gate.speculate(16) and gate.speculate(16)

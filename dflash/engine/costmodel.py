@@ -144,7 +144,9 @@ class SpeculationGate:
     for; where that measures slower than plain steps the batch decodes plainly, trying the
     other way after `probe_every` steps, a wait that doubles with each probe that changes
     nothing (up to `max_probe_every`: a probe of 16 rows' proposals costs ~4 plain steps) and
-    starts again when one does. One row alone always proposes (its proposer decides)."""
+    starts again when one does. A batch size not measured yet starts plainly where a smaller
+    one measured plain steps faster, else measures both ways. One row alone always proposes
+    (its proposer decides)."""
 
     def __init__(self, decay: float = 0.9, probe_every: int = 16, max_probe_every: int = 256):
         self.decay, self.probe_every, self.max_probe_every = decay, probe_every, max_probe_every
@@ -157,6 +159,9 @@ class SpeculationGate:
     def bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()
 
+    def _smaller(self, b: int) -> list[int]:
+        return [bucket for bucket, _ in self.rates if bucket < b]
+
     def _faster(self, b: int) -> bool | None:
         """Whether steps with proposals measure faster in bucket b (None: not both measured)."""
         spec, plain = self.rates.get((b, True)), self.rates.get((b, False))
@@ -167,7 +172,13 @@ class SpeculationGate:
             return True
         b = self.bucket(rows)
         better = self._faster(b)
-        if better is None:  # measure each way first
+        if better is None and any(self._faster(small) is False for small in self._smaller(b)):
+            # a smaller batch measured plain steps faster: more rows only add proposals' work, so
+            # this batch decodes plainly too until its first probe
+            if (b, False) not in self.rates:
+                return False
+            better = False
+        elif better is None:  # measure each way first
             return (b, True) not in self.rates
         self.since_probe[b] = self.since_probe.get(b, 0) + 1
         if self.since_probe[b] > self.wait.get(b, self.probe_every):
