@@ -257,7 +257,8 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const f
   }
   const __m256 top = _mm256_set1_ps(best);
   int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(scores + i, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + i), top)));
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(scores + i, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + i), top)));
   if (i < count) {  // the last few, through a padded copy
     float tail[8] = {};
     std::memcpy(tail, scores + i, (count - i) * sizeof(float));
