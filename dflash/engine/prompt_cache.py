@@ -121,12 +121,10 @@ class PromptCache:
             return
         if row.cache.length != ids.shape[1]:
             raise ValueError(f"the row's cache holds {row.cache.length} positions, not the {ids.shape[1]} tokens given")
-        flat, layers, t = ids[0], _layers(row), ids.shape[1]
-        kv = row.cache.kv
+        flat, t, kv = ids[0], ids.shape[1], row.cache.kv
+        layers = _layers(row) if hidden is not None else None
         entry = CachedPrompt(row.target, layers, flat.clone(), kv.k[:, 0, :, :t].clone(), kv.v[:, 0, :, :t].clone(),
-                             hidden.clone() if layers is not None and hidden is not None else None)
-        if entry.layers is not None and entry.hidden is None:
-            entry.layers = None
+                             hidden if layers is not None else None)  # hidden: a tensor no pass writes to again
         if entry.nbytes > self.capacity:
             return
         with self._lock:

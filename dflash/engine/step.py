@@ -86,6 +86,12 @@ class Row:
         self.ctx_hidden = None  # the draft pass consumed the context
         return block, self.proposer.drafted  # a tree proposer may skip the draft pass
 
+    def _remember(self) -> None:
+        """A finished row's prompt and reply into its prompt cache, for a next turn's prefill."""
+        if self.transcript is not None:
+            self.prompts.store(self, *self.transcript.whole())
+            self.transcript = None
+
     def _inputs(self, block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The verify pass's tokens (1+N,) [last ; proposals], their positions and mask (None: causal)."""
         if isinstance(block, TokenTree):
@@ -97,7 +103,7 @@ class Row:
                 drafted: bool) -> Step:
         """Keep the accepted tokens and `token` (the recovered or bonus one) in the cache, the
         proposer, the policy and the draft's next context."""
-        before, self.last = int(self.last), token
+        previous, self.last = self.last, token
         new, finish = accepted + [int(token)], None
         for i, t in enumerate(new):  # stop tokens are looked for among the new tokens only
             if t in self.stop:
@@ -114,7 +120,7 @@ class Row:
         if seen is not None:  # the next context: what the draft has not seen yet
             self.ctx_hidden = seen if self.ctx_hidden is None else torch.cat([self.ctx_hidden, seen], dim=1)
         if self.transcript is not None:
-            self.transcript.add([before] + new[:-1], seen)
+            self.transcript.add([int(previous)] + new[:-1], seen)
         self.policy.observe(self.plan, len(block), len(accepted))
         if self.proposer is not None:
             self.proposer.commit(new, path)
@@ -122,9 +128,6 @@ class Row:
         if finish is None and self.generated >= self.max_new_tokens:
             finish = "length"
         self.finish = finish
-        if finish is not None and self.transcript is not None:  # prompt and reply, for a next turn
-            self.prompts.store(self, *self.transcript.whole())
-            self.transcript = None
         return Step(new, len(block), len(accepted), finish, sources, drafted)
 
 
@@ -178,6 +181,9 @@ def step(rows: list[Row], batch_cost=None) -> list[Step]:
     if batch_cost is not None and len(rows) > 1:
         batch_cost.gate.observe(len(rows), speculate, sum(len(s.tokens) for s in steps),
                                 (time.perf_counter() - start) * 1e3)
+    for r in rows:  # outside the timed parts: a copy of the row's K/V
+        if r.finish is not None:
+            r._remember()
     return steps
 
 
