@@ -91,3 +91,13 @@ def test_the_default_speculation_is_hybrid_and_a_threshold_asks_for_the_fixed_ch
     assert spec("--draft-threshold", "0.3") == SpecSettings(draft_threshold=0.3, proposer="draft", policy="fixed")
     assert spec("--proposer", "draft").adaptive_chain and not spec("--proposer", "draft", "--policy", "fixed").adaptive_chain
     assert spec("--block-size", "4", "--proposer", "suffix") == SpecSettings(4, proposer="suffix")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["chat"]])
+def test_the_prompt_cache_size_is_checked_before_anything_loads(command, capsys):
+    assert build_parser().parse_args([*command, "--prompt-cache-mb", "64"]).prompt_cache_mb == 64.0
+    assert build_parser().parse_args(command).prompt_cache_mb == 256.0
+    for bad in ("-1", "nan", "lots"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--prompt-cache-mb", bad])
+        assert "--prompt-cache-mb: must be a number of MiB >= 0" in capsys.readouterr().err

@@ -60,8 +60,19 @@ def spec_from_args(args):
     return SpecSettings(args.block_size, args.draft_threshold, args.proposer, args.policy)
 
 
+def mebibytes(text: str) -> float:
+    """A size in MiB, >= 0 (argparse reports the error before anything loads)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB >= 0, got {text!r}")
+    return value
+
+
 def add_prompt_cache(p) -> None:
-    p.add_argument("--prompt-cache-mb", type=float, default=256.0, metavar="MB",
+    p.add_argument("--prompt-cache-mb", type=mebibytes, default=256.0, metavar="MB",
                    help="MiB of recent prompts' and replies' K/V kept, so a prompt that starts like an earlier "
                         "one (a chat's next turn) computes only the rest; 0: off (default 256; low-bit "
                         "targets on the native kernels)")
