@@ -3,6 +3,7 @@
 import pytest
 
 from dflash.engine.policy import AdaptivePolicy, StepPlan
+from dflash.engine.probes import ProbeWait
 
 
 class FakeCosts:
@@ -131,3 +132,16 @@ def test_an_unsure_draft_is_given_up_after_its_first_step():
     p = AdaptivePolicy(FakeCosts(per_token=2.0, draft=5.0), 16, probe_every=8)
     log = run(p, 9, accept_prob=0, conf=0.01)  # an untrained draft: ~1/V on every proposal
     assert log[0] == 0 and log[1:] == [None] * 8  # drafted once (the prior), verified nothing, then plain
+
+
+def test_a_probe_wait_doubles_to_its_most_and_resets():
+    wait = ProbeWait(4, 16)
+    steps = []
+    for _ in range(4):
+        steps.append(wait.steps)
+        wait.grow()
+    assert steps == [4, 8, 16, 16]
+    wait.reset()
+    assert wait.steps == 4
+    with pytest.raises(ValueError, match="probe wait"):
+        ProbeWait(8, 4)

@@ -29,6 +29,7 @@ import torch
 
 from dflash.engine import machine
 from dflash.engine.cache import StaticTargetCache
+from dflash.engine.probes import ProbeWait
 
 VERSION = 6  # bump when what is measured or how changes: a cached cost model of an older version is measured again
 NS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -149,15 +150,19 @@ class SpeculationGate:
     (its proposer decides)."""
 
     def __init__(self, decay: float = 0.9, probe_every: int = 16, max_probe_every: int = 256):
-        self.decay, self.probe_every, self.max_probe_every = decay, probe_every, max_probe_every
+        self.decay = decay
+        self.first_wait = ProbeWait(probe_every, max(probe_every, max_probe_every))  # what each batch size starts from
         self.rates: dict[tuple[int, bool], StepRate] = {}  # (batch bucket, speculated) -> its steps
         self.since_probe: dict[int, int] = {}  # batch bucket -> steps since the other way was tried
-        self.wait: dict[int, int] = {}  # batch bucket -> steps between probes
+        self.wait: dict[int, ProbeWait] = {}  # batch bucket -> steps between probes
         self.probing: dict[int, bool] = {}  # batch bucket -> the way that was faster when its probe began
 
     @staticmethod
     def bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()
+
+    def _wait(self, b: int) -> ProbeWait:
+        return self.wait.setdefault(b, ProbeWait(self.first_wait.first, self.first_wait.most))
 
     def _smaller(self, b: int) -> list[int]:
         return [bucket for bucket, _ in self.rates if bucket < b]
@@ -181,7 +186,7 @@ class SpeculationGate:
         elif better is None:  # measure each way first
             return (b, True) not in self.rates
         self.since_probe[b] = self.since_probe.get(b, 0) + 1
-        if self.since_probe[b] > self.wait.get(b, self.probe_every):
+        if self.since_probe[b] > self._wait(b).steps:
             self.since_probe[b] = 0
             self.probing[b] = better
             return not better
@@ -195,8 +200,7 @@ class SpeculationGate:
         self.rates.setdefault((b, speculated), StepRate()).observe(tokens, ms, self.decay)
         before = self.probing.pop(b, None)
         if before is not None:  # the probe's step: did it change which way is faster?
-            wait = self.wait.get(b, self.probe_every)
-            self.wait[b] = min(2 * wait, self.max_probe_every) if self._faster(b) == before else self.probe_every
+            self._wait(b).grow() if self._faster(b) == before else self._wait(b).reset()
 
 
 BATCH_LATENCY = 4.0  # a step of the default largest batch costs at most this many plain steps alone

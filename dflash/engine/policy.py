@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from dflash.engine.probes import ProbeWait
+
 
 @dataclass
 class StepPlan:
@@ -85,7 +87,6 @@ class AdaptivePolicy:
             raise ValueError(f"an adaptive policy needs block_size >= 2, got {block_size}")
         self.block_size, self.k_max = block_size, block_size - 1
         self.prior_weight, self.decay = prior_weight, decay
-        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         rest = getattr(cost_model, "rest_head_ms", None)
         self.t_plain = cost_model.verify_ms(1)
         self.t_draft = {b: cost_model.draft_ms(b) for b in range(2, block_size + 1)}  # the draft runs on k+1 tokens
@@ -97,7 +98,7 @@ class AdaptivePolicy:
         self.accepted = [0.0] * k  # of which accepted
         self.mean_conf = [prior_conf] * k  # the draft's probability at each position, running mean over drafts
         self._conf_seen = 0.0
-        self._plain_run, self._interval = 0, probe_every
+        self._plain_run, self._wait = 0, ProbeWait(probe_every, max(probe_every, max_probe_every))
         self.plain_steps = self.probes = 0  # counters for reports
 
     # ---- the estimates ----
@@ -132,7 +133,7 @@ class AdaptivePolicy:
             self._plain_run = 0
             return StepPlan(True)
         self._plain_run += 1
-        if self._plain_run > self._interval:  # a probe: draft once, verify at least one proposal
+        if self._plain_run > self._wait.steps:  # a probe: draft once, verify at least one proposal
             self._plain_run = 0
             self.probes += 1
             return StepPlan(True, probe=True)
@@ -157,7 +158,7 @@ class AdaptivePolicy:
         if not plan.draft:
             return
         if plan.probe:
-            self._interval = self.probe_every if accepted else min(2 * self._interval, self.max_probe_every)
+            self._wait.reset() if accepted else self._wait.grow()
         if not proposed:
             return
         d = self.decay

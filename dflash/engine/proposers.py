@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from dflash.engine.probes import ProbeWait
 from dflash.engine.request import SamplingParams
 from dflash.engine.sampling import probabilities, sample
 from dflash.engine.suffix import GlobalSuffixIndex, SuffixIndex
@@ -333,16 +334,16 @@ class TreeProposer(Proposer):
             skipped[self._offer] = 0
             unprobed.discard(self._offer)
             if pays:
-                self.state.probe_wait[self._offer] = 1
+                self.state.probe_wait[self._offer].reset()
             return True
         skipped[self._offer] += 1
         # a probe is this row's own draft pass, which every row of a shared pass waits for: rows
         # probe as often together as one row alone; each probe that finds the draft still not
-        # paying doubles the wait for the next (up to `max_probe_wait` times `probe_every`)
+        # paying doubles the wait for the next (up to 8 times `probe_every`: `TreeState.probe_wait`)
         wait = self.state.probe_wait[self._offer]
-        if skipped[self._offer] > self.probe_every * wait * sharing:
+        if skipped[self._offer] > self.probe_every * wait.steps * sharing:
             skipped[self._offer] = 0
-            self.state.probe_wait[self._offer] = min(2 * wait, self.state.max_probe_wait)
+            wait.grow()
             return True
         return False
 
@@ -446,8 +447,8 @@ class TreeState:
     gains: dict[int, DraftGain] = field(default_factory=lambda: {o: DraftGain() for o in OFFERS})
     skipped: dict[int, int] = field(default_factory=lambda: dict.fromkeys(OFFERS, 0))
     unprobed: set[int] = field(default_factory=set)  # the offer buckets this request has not drafted in yet
-    probe_wait: dict[int, int] = field(default_factory=lambda: dict.fromkeys(OFFERS, 1))  # x probe_every
-    max_probe_wait: int = 8
+    probe_wait: dict[int, ProbeWait] = field(  # in probe_every's: 1, doubling up to 8
+        default_factory=lambda: {o: ProbeWait(1, 8) for o in OFFERS})
     draft_ms: float | None = None  # running mean of the timed draft passes; None: none timed yet
     verify_scale: float = 1.0  # running mean of timed verify passes over the cost model's figures (from 1)
     verify_timed: int = 0  # verify passes timed so far
