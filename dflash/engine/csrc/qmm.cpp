@@ -163,6 +163,15 @@ void tile_scalar(const Weight& w, const Acts& x, int64_t t, int64_t r0, int64_t 
 
 constexpr int64_t PF = 16;  // blocks ahead of the one in use (4 KiB of 4-bit weights)
 
+// Ask for the weights, scales and offsets of the block PF ahead of block b of tile t (into the
+// next tiles at the end of this one; a prefetch past the end of the weight does not fault).
+inline void prefetch_ahead(const Weight& w, int64_t t, int64_t b) {
+  const uint8_t* ahead = w.u + (t * w.nb + b + PF) * w.block_bytes;
+  for (int64_t line = 0; line < w.block_bytes; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
+  _mm_prefetch((const char*)(w.d + (t * w.nb + b + PF) * NC), _MM_HINT_T0);
+  _mm_prefetch((const char*)(w.m + (t * w.nb + b + PF) * NC), _MM_HINT_T0);
+}
+
 template <int R, bool NIB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 void tile_avx512(const Weight& w, const Acts& x, int64_t t, int64_t r0, float* y) {
@@ -171,12 +180,7 @@ void tile_avx512(const Weight& w, const Acts& x, int64_t t, int64_t r0, float* y
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* p = w.u + (t * w.nb + b) * w.block_bytes;
-    if (r0 == 0) {  // the first pass over a tile streams its weights from memory: ask for them ahead
-      const uint8_t* ahead = p + PF * w.block_bytes;
-      for (int64_t line = 0; line < w.block_bytes; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
-      _mm_prefetch((const char*)(w.d + (t * w.nb + b + PF) * NC), _MM_HINT_T0);
-      _mm_prefetch((const char*)(w.m + (t * w.nb + b + PF) * NC), _MM_HINT_T0);
-    }
+    if (r0 == 0) prefetch_ahead(w, t, b);  // the first pass over a tile streams its weights from memory
     __m512i u[8];
     if (NIB) {
       for (int g = 0; g < 4; ++g) {
@@ -238,12 +242,7 @@ void half_avx2(const Weight& w, const Acts& x, int64_t t, int h, int64_t r0, flo
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < w.nb; ++b) {
     const uint8_t* p = w.u + (t * w.nb + b) * w.block_bytes + 32 * h;
-    if (r0 == 0 && h == 0) {  // as tile_avx512: the first pass over a tile asks for its weights ahead
-      const uint8_t* ahead = p + PF * w.block_bytes;
-      for (int64_t line = 0; line < w.block_bytes; line += 64) _mm_prefetch((const char*)(ahead + line), _MM_HINT_T0);
-      _mm_prefetch((const char*)(w.d + (t * w.nb + b + PF) * NC), _MM_HINT_T0);
-      _mm_prefetch((const char*)(w.m + (t * w.nb + b + PF) * NC), _MM_HINT_T0);
-    }
+    if (r0 == 0 && h == 0) prefetch_ahead(w, t, b);  // as tile_avx512
     const int64_t at = (b * x.chunks + r0 / MR) * MR + r0 % MR;  // row r0 in this block's chunk of rows
     const int32_t* xq = (const int32_t*)(x.q + at * QK);
     __m256i isum[R];
