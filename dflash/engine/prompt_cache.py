@@ -133,8 +133,9 @@ class PromptCache:
                 del self._prompts[key]  # a prefix of this prompt: the new entry holds all of it
             self._prompts[self._next] = entry
             self._next += 1
-            while self.nbytes > self.capacity:
-                self._prompts.popitem(last=False)
+            held = self.nbytes
+            while held > self.capacity:
+                held -= self._prompts.popitem(last=False)[1].nbytes
 
 
 def _layers(row) -> tuple[int, ...] | None:
