@@ -150,8 +150,7 @@ class SpeculationGate:
     (its proposer decides)."""
 
     def __init__(self, decay: float = 0.9, probe_every: int = 16, max_probe_every: int = 256):
-        self.decay = decay
-        self.first_wait = ProbeWait(probe_every, max(probe_every, max_probe_every))  # what each batch size starts from
+        self.decay, self.probe_every, self.max_probe_every = decay, probe_every, max_probe_every
         self.rates: dict[tuple[int, bool], StepRate] = {}  # (batch bucket, speculated) -> its steps
         self.since_probe: dict[int, int] = {}  # batch bucket -> steps since the other way was tried
         self.wait: dict[int, ProbeWait] = {}  # batch bucket -> steps between probes
@@ -162,7 +161,7 @@ class SpeculationGate:
         return 1 << (rows - 1).bit_length()
 
     def _wait(self, b: int) -> ProbeWait:
-        return self.wait.setdefault(b, ProbeWait(self.first_wait.first, self.first_wait.most))
+        return self.wait.setdefault(b, ProbeWait(self.probe_every, self.max_probe_every))
 
     def _smaller(self, b: int) -> list[int]:
         return [bucket for bucket, _ in self.rates if bucket < b]

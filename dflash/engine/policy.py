@@ -98,7 +98,7 @@ class AdaptivePolicy:
         self.accepted = [0.0] * k  # of which accepted
         self.mean_conf = [prior_conf] * k  # the draft's probability at each position, running mean over drafts
         self._conf_seen = 0.0
-        self._plain_run, self._wait = 0, ProbeWait(probe_every, max(probe_every, max_probe_every))
+        self._plain_run, self._wait = 0, ProbeWait(probe_every, max_probe_every)
         self.plain_steps = self.probes = 0  # counters for reports
 
     # ---- the estimates ----
