@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import (ALONE, NOT_ALONE, WARMUP_MESSAGES, Config, _target_gguf, free_port,  # noqa: E402
-                          machine_info, one_request, running)
+                          machine_info, one_request, percentile, running)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("cached", "uncached", "llamacpp")
@@ -74,7 +73,8 @@ async def converse(url: str, pairs, max_tokens: int, extra: dict) -> list[dict]:
         for question, follow_up in pairs:
             messages = [{"role": "user", "content": question}]
             first = await one_request(client, url, messages, max_tokens, extra)
-            messages += [{"role": "assistant", "content": first.get("text", "")}, {"role": "user", "content": follow_up}]
+            messages += [{"role": "assistant", "content": first.get("text", "")},
+                         {"role": "user", "content": follow_up}]
             second = await one_request(client, url, messages, max_tokens, extra)
             out.append({"turns": [{k: r.get(k) for k in ("status", "ttft", "latency", "tokens", "text", "error")}
                                   | {"prompt_tokens": (r.get("usage") or {}).get("prompt_tokens"),
@@ -83,8 +83,7 @@ async def converse(url: str, pairs, max_tokens: int, extra: dict) -> list[dict]:
 
 
 def median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+    return percentile([x for x in xs if x is not None], 0.5)
 
 
 def summary(convs: list[dict]) -> dict:
@@ -113,7 +112,8 @@ def markdown(record: dict) -> str:
         a, b = cfg["summary"]["turn1"], cfg["summary"]["turn2"]
         lines.append(f"| `{name}` | `{cfg['label']}` | {a['failed']} + {b['failed']} | {fmt(a['ttft_p50_s'])} "
                      f"| {fmt(b['prompt_tokens_p50'], '{:.0f}')}"
-                     f" | {fmt(b['cached_tokens_p50'], '{:.0f}')} | {fmt(b['ttft_p50_s'])} | {fmt(b['latency_p50_s'])} |")
+                     f" | {fmt(b['cached_tokens_p50'], '{:.0f}')} | {fmt(b['ttft_p50_s'])}"
+                     f" | {fmt(b['latency_p50_s'])} |")
     lines += [f"| `{name}` | skipped: {why} | | | | | | |" for name, why in record["skipped"].items()]
     ex = record.get("exactness")
     if ex:
