@@ -10,6 +10,7 @@ import torch
 from dflash.engine import native, static_decoder
 from dflash.engine.costmodel import BatchCost, CostModel, SpeculationGate, batch_limit
 from dflash.engine.loop import open_row, run_row
+from dflash.engine.proposers import DraftProposer, TreeProposer
 from dflash.engine.sampling import SamplingParams
 from dflash.engine.step import prefill, step
 from dflash.engine.target import TargetModel
@@ -88,6 +89,44 @@ def test_seeded_sampled_rows_draw_what_they_draw_alone():
     for i in range(4):
         alone = [t for s in run_row(row(i), prompts[i]) for t in s.tokens]
         assert out[i] == alone
+
+
+class _Ways:
+    """A batch whose gate speculates on the steps `ways` says (the step's seam for its gate)."""
+
+    def __init__(self, ways):
+        self.rows, self.gate, self._ways = 0, self, iter(ways)
+
+    def speculate(self, rows: int) -> bool:
+        return next(self._ways)
+
+    def observe(self, *measured) -> None:
+        pass
+
+
+@needs_native
+def test_the_draft_reads_every_committed_position_once_through_steps_without_it():
+    """Steps without a draft pass (the gate's plain steps, tree steps that skip the draft) leave
+    the positions they commit pending for the draft; the next draft pass reads them all: the
+    draft's cache and the pending context together hold exactly the committed positions."""
+    model = tiny_target("llama", max_position_embeddings=512)
+    draft = tiny_draft(model, block_size=8)
+    target = TargetModel(model, precision="int4")
+    skipping = TreeProposer(DraftProposer(draft, target, SamplingParams(), draft.config.mask_token_id),
+                            verify_cost=lambda n: 1.0, draft_cost=1.0, probe_every=3)
+    for bucket in range(4):  # the draft measured a loss beside every offer: skipped, probed now and then
+        skipping.gains[bucket].observe(1, 2.0, 3, 1.0)
+    prompts = [torch.tensor([[5, 6, 7, 8] * 6]), *_prompts(2, seed=7)]
+    rows = [open_row(draft, target, p, 80, block_size=8, proposer=k) for p, k in zip(prompts, [skipping, "hybrid", "draft"])]
+    for r, p in zip(rows, prompts):
+        prefill(r, p)
+    batch, drafted, skipped, plain = _Ways([False, False, True, False, True, True] * 40), 0, 0, 0
+    while all(r.finish is None for r in rows):
+        for r, s in zip(rows, step(rows, batch)):
+            drafts = r.proposer if isinstance(r.proposer, DraftProposer) else r.proposer.draft
+            assert drafts.cache.length + len(r.context) == r.pos
+            drafted, skipped, plain = drafted + s.drafted, skipped + (s.proposed > 0 and not s.drafted), plain + (s.proposed == 0)
+    assert drafted > 0 and skipped > 0 and plain > 0
 
 
 def test_rows_on_a_target_without_shared_passes_still_equal_their_requests():

@@ -90,7 +90,7 @@ class OracleProposer(gen.Proposer):
     def __init__(self, continuation, prompt_len, plant_at=None):
         self.continuation, self.prompt_len, self.plant_at = continuation, prompt_len, plant_at
 
-    def propose(self, ctx_hidden, last, pos, size, want_conf=False):
+    def propose(self, context, last, pos, size, want_conf=False):
         done = pos - self.prompt_len + 1  # tokens generated so far (including `last`)
         tokens = self.continuation[done: done + size - 1].clone()
         if self.plant_at is not None and self.plant_at - 1 < len(tokens):

@@ -62,7 +62,7 @@ def test_restored_kv_and_draft_context_are_the_full_prefills_bits(pair):
     t = ids.shape[1]
     for name in ("k", "v"):
         assert torch.equal(getattr(rows[0].cache.kv, name)[..., :t, :], getattr(rows[1].cache.kv, name)[..., :t, :])
-    assert torch.equal(rows[0].ctx_hidden, rows[1].ctx_hidden)
+    assert torch.equal(rows[0].context.peek(), rows[1].context.peek())
 
 
 @needs_native

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash.engine import loop as gen
+from dflash.engine.context import DraftContext
 from dflash.engine.proposers import DraftGain, DraftProposer, TreeProposer, TreeState, offer_bucket
 from dflash.engine.request import SamplingParams
 from dflash.engine.suffix import GlobalSuffixIndex
@@ -205,7 +206,7 @@ def test_the_drafts_gain_is_kept_apart_per_offer_of_the_text_sources():
         proposer.start(prompt)
         ids = torch.tensor([prompt])
         _, ctx = target.forward(ids[:, :-1], target.new_cache(), proposer.layer_ids)  # (1, T-1, kH)
-        tree = proposer.propose(ctx, ids[0, -1:], len(prompt) - 1, 8)
+        tree = proposer.propose(DraftContext(ctx), ids[0, -1:], len(prompt) - 1, 8)
         return proposer._offer, {s for node in tree.sources for s in node.split("+")}
     assert sources(repeated) == (3, {"suffix"})  # the draft lost beside this offer: not run
     assert sources(fresh) == (0, {"draft"})  # nothing to copy: the draft runs

@@ -27,6 +27,7 @@ from dflash.engine.timing import NULL_TIMER, NullTimer
 from dflash.engine.tree import Candidate, TokenTree, TreeBuilder
 
 if TYPE_CHECKING:
+    from dflash.engine.context import DraftContext
     from dflash.engine.draft import DFlashDraftModel
 
 
@@ -59,8 +60,10 @@ class Proposer:
     def start(self, prompt: Sequence[int]) -> None:
         """The prompt's token ids, before the first step."""
 
-    def propose(self, ctx_hidden, last: torch.Tensor, pos: int, size: int,
+    def propose(self, context: "DraftContext", last: torch.Tensor, pos: int, size: int,
                 want_conf: bool = False) -> Proposal | TokenTree:
+        """Proposals for the positions after `last` (the last committed token, at `pos`), at
+        most size - 1 of them; a draft pass takes `context` (what the draft has not read yet)."""
         raise NotImplementedError
 
     def commit(self, tokens: Sequence[int], path: Sequence[int] | None) -> None:
@@ -176,8 +179,8 @@ class DraftProposer(Proposer):
         with self.timer.span("draft_head"):
             return self.head.logits(self.target, hidden[:, 1:])  # (1, S-1, V or draft vocabulary)
 
-    def propose(self, ctx_hidden, last, pos, size, want_conf=False) -> Proposal:
-        logits = self.logits(ctx_hidden, last, pos, size)  # (1, S-1, Kv)
+    def propose(self, context, last, pos, size, want_conf=False) -> Proposal:
+        logits = self.logits(context.take(), last, pos, size)  # (1, S-1, Kv)
         if self.params.greedy or self.params.rule == "match":
             idx = logits.argmax(-1)  # (1, S-1)
             conf = torch.softmax(logits.float(), dim=-1).amax(-1)[0] if want_conf else None  # (S-1,)
@@ -255,7 +258,6 @@ class TreeProposer(Proposer):
         self.sharing = sharing  # the rows sharing each pass now (continuous batching; None: one)
         self._offer = 0  # this step's offer bucket
         self.drafted = False
-        self._context: torch.Tensor | None = None  # (1, C, kH) context handed over while the draft was skipped
         self._verify_from: tuple[float, int] | None = None  # (clock, tokens) of the verify pass under way
 
     def start(self, prompt: Sequence[int]) -> None:
@@ -278,7 +280,7 @@ class TreeProposer(Proposer):
         """The draft pass's cost in ms: as measured in this state's steps, else the cost model's."""
         return self._draft_cost if self.state.draft_ms is None else self.state.draft_ms
 
-    def propose(self, ctx_hidden, last, pos, size, want_conf=False) -> TokenTree | Proposal:
+    def propose(self, context, last, pos, size, want_conf=False) -> TokenTree | Proposal:
         depth = size - 1  # the tree's paths may commit at most `size` tokens
         weights = {s: self.calibration.weight(s) for s in ("draft", "suffix", "global")}
         builder, offered = TreeBuilder(), 0.0
@@ -287,12 +289,9 @@ class TreeProposer(Proposer):
             offered = max([offered] + [weights[source] * sum(c.scores) for c in cands])
         self._offer = offer_bucket(offered)
         self.drafted = self.draft is not None and self._draft_pays()
-        if ctx_hidden is not None and self._context is not None:  # the loop hands each context over once
-            ctx_hidden = torch.cat([self._context, ctx_hidden], dim=1)  # (1, C, kH)
-        self._context = None if self.drafted else ctx_hidden
-        if self.drafted:
+        if self.drafted:  # (a step that skips the draft leaves the context pending)
             start = time.perf_counter()
-            probs = torch.softmax(self.draft.logits(ctx_hidden, last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
+            probs = torch.softmax(self.draft.logits(context.take(), last, pos, size).float(), dim=-1)  # (1, S-1, Kv)
             builder.add_draft(probs[0], self.top_k, 2 * self.max_nodes, weights["draft"], self.draft.head.vocab)
             self.state.observe_draft_ms((time.perf_counter() - start) * 1e3, self.draft_cost)
         nodes = self.budget(builder.build(self.max_nodes, last.device))

@@ -22,6 +22,7 @@ import torch
 
 from dflash.engine import static_decoder
 from dflash.engine.cache import StaticTargetCache
+from dflash.engine.context import DraftContext
 from dflash.engine.policy import StepPlan, ThresholdPolicy, VerifyPolicy
 from dflash.engine.prompt_cache import PromptCache, Transcript
 from dflash.engine.proposers import Proposal, Proposer
@@ -50,8 +51,8 @@ class Step:
 class Row:
     """One sequence in the loop: its request (`params`, `generator`, stop tokens, budget), its
     proposer and policy, its target cache, and where it stands. `last` is the last committed
-    token, at position `pos`, not yet in the target cache; `ctx_hidden` the target's hidden
-    states of committed tokens the draft has not seen yet."""
+    token, at position `pos`, not yet in the target cache; `context` the target's hidden
+    states of committed tokens the draft has not read yet."""
     target: TargetModel
     cache: object
     params: SamplingParams
@@ -67,7 +68,7 @@ class Row:
     pos: int = 0
     generated: int = 0
     finish: str | None = None
-    ctx_hidden: torch.Tensor | None = None
+    context: DraftContext = field(default_factory=DraftContext)
     plan: StepPlan = field(default_factory=lambda: StepPlan(False))  # the policy's plan for the step under way
     prompts: PromptCache | None = None  # recent prompts' K/V, where the prefill may start from
     cached: int = 0  # prompt tokens whose K/V came from `prompts`
@@ -80,10 +81,9 @@ class Row:
         self.plan = self.policy.plan() if asked else StepPlan(False)  # not asked: a plain step
         if not self.plan.draft:
             return Proposal(torch.empty(1, 0, dtype=torch.long, device=self.last.device)), False
-        block = self.proposer.propose(self.ctx_hidden, self.last, self.pos, size, self.policy.needs_confidence)
+        block = self.proposer.propose(self.context, self.last, self.pos, size, self.policy.needs_confidence)
         if isinstance(block, Proposal):
             block = block.slice(0, self.policy.verify_count(self.plan, block.conf, block.size))
-        self.ctx_hidden = None  # the draft pass consumed the context
         return block, self.proposer.drafted  # a tree proposer may skip the draft pass
 
     def _remember(self) -> None:
@@ -116,9 +116,8 @@ class Row:
         else:
             commit_path(self.cache, self.pos, path[:kept])  # keep the root and the accepted path, compacted
             rows, sources = path_rows(path[:kept], token.device), tuple(block.sources[i] for i in path[:kept])
-        seen = hidden[:, rows] if hidden is not None else None  # (1, n, kH): the positions kept
-        if seen is not None:  # the next context: what the draft has not seen yet
-            self.ctx_hidden = seen if self.ctx_hidden is None else torch.cat([self.ctx_hidden, seen], dim=1)
+        seen = hidden[:, rows] if hidden is not None and self.layer_ids else None  # (1, n, kH): the positions kept
+        self.context.add(seen)  # the draft's next context
         if self.transcript is not None:
             self.transcript.add([int(previous)] + new[:-1], seen)
         self.policy.observe(self.plan, len(block), len(accepted))
@@ -139,10 +138,12 @@ def prefill(row: Row, input_ids: torch.Tensor) -> Step:
         row.cached, known = row.prompts.restore(row, input_ids)  # known: (1, cached, kH) | None
     logits, hidden = row.target.forward(input_ids[:, row.cached:], row.cache, row.layer_ids,
                                         logits_to_keep=1)  # (1, 1, V), (1, T - cached, kH) | None
-    row.ctx_hidden = hidden if not row.cached or hidden is None else torch.cat([known, hidden], dim=1)
+    if hidden is not None:  # the draft's first context: the whole prompt
+        row.context.add(known if row.cached else None)
+        row.context.add(hidden)
     if row.prompts is not None and row.prompts.serves(row):
-        row.prompts.store(row, input_ids, row.ctx_hidden)
-        row.transcript = Transcript(input_ids, row.ctx_hidden)
+        row.prompts.store(row, input_ids, row.context.peek())
+        row.transcript = Transcript(input_ids, row.context.peek())
     row.last = next_token(logits[:, -1], row.params, row.generator)  # (1,)
     row.pos, row.generated = input_ids.shape[1], 1
     if row.proposer is not None:
