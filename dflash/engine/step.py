@@ -280,7 +280,9 @@ def _verify_together(rows: list[Row], blocks: list) -> list:
                                            target.linears)  # [(final (1, n, H), hidden (1, n, kH) | None)]
     with rows[0].timer.span("verify_head"):
         first = target.logits(torch.cat([final[:, :1] for final, _ in outs], dim=1))  # (1, B, V)
-        more = [i for i, (r, block) in enumerate(zip(rows, blocks)) if _needs_more(r, block, first[0, i])]
+        top = first[0].argmax(-1)  # (B,) each row's greedy token after its `last`, in one call
+        tops = top.tolist()
+        more = [i for i, (r, block) in enumerate(zip(rows, blocks)) if _needs_more(r, block, tops[i])]
         rest = {}
         if more:
             logits = target.logits(torch.cat([outs[i][0][:, 1:] for i in more], dim=1))  # (1, sum n_i - 1, V)
@@ -288,20 +290,22 @@ def _verify_together(rows: list[Row], blocks: list) -> list:
                 rest[i] = part
     verdicts = []
     for i, (r, block) in enumerate(zip(rows, blocks)):
+        if len(block) == 0 and r.params.greedy:  # a plain greedy step: its token is the row's argmax
+            verdicts.append((None, [], top[i:i + 1], outs[i][1]))
+            continue
         full = first[:, i:i + 1] if i not in rest else torch.cat([first[:, i:i + 1], rest[i]], dim=1)  # (1, n, V)
         verdicts.append((*_judge(r, block, lambda sel, full=full: full[:, sel]), outs[i][1]))
     return verdicts
 
 
-def _needs_more(row: Row, block, first: torch.Tensor) -> bool:
+def _needs_more(row: Row, block, token: int) -> bool:
     """Whether the verdict will read rows past row 0: a greedy row whose target token after
-    `last` is its first proposal (a chain) or one of the root's children (a tree); any sampled
-    row with proposals (its draw happens in the verdict)."""
+    `last` (`token`, the argmax of its row 0) is its first proposal (a chain) or one of the
+    root's children (a tree); any sampled row with proposals (its draw happens in the verdict)."""
     if len(block) == 0:
         return False
     if not row.params.greedy:
         return True
-    token = int(first.argmax())
     if isinstance(block, TokenTree):
         return (-1, token) in block.children
     return token == int(block.tokens[0, 0])
