@@ -71,15 +71,16 @@ def test_attention_matches_sdpa_and_each_row_is_its_own():
     g = torch.Generator().manual_seed(0)
     t, past, heads, groups, dim = 7, 20, 4, 2, 16
     q = torch.randn(t, heads, dim, generator=g)
-    k = torch.randn(groups, past + t + 5, dim, generator=g)  # a buffer longer than the filled part
-    v = torch.randn(groups, past + t + 5, dim, generator=g)
+    k = torch.randn(groups, past + t + 5, dim, generator=g).half()  # a buffer longer than the filled part, fp16
+    v = torch.randn(groups, past + t + 5, dim, generator=g).half()  # (the K/V cache's storage)
     tree = torch.tensor([[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0, 0], [1, 1, 0, 1, 0, 0, 0],
                          [1, 0, 1, 0, 1, 0, 0], [1, 1, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
     for mask in (None, tree):
         out = torch.ops.dflash_lowbit.attend(q, k, v, past, mask, 0.25)
         visible = torch.ones(t, t, dtype=torch.bool).tril() if mask is None else mask
         full = torch.cat([torch.ones(t, past, dtype=torch.bool), visible], dim=1)
-        ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None, :, :past + t], v[None, :, :past + t],
+        ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None, :, :past + t].float(),
+                                             v[None, :, :past + t].float(),
                                              attn_mask=full, scale=0.25, enable_gqa=True)[0].transpose(0, 1)
         assert (out - ref).abs().max() < 1e-5
     # a tree row sees the prefix and its ancestors: the bits of a one-row call over those slots alone
@@ -202,7 +203,14 @@ def test_the_default_target_runs_its_own_gguf_blocks_and_speculation_is_exact():
             assert torch.equal(out, plain), (prompt, proposer)
 
 
-PORTABLE_CHECK = """
+# float32 values around half's edges: rounding ties, the largest finite half and what rounds past
+# it, the normal/subnormal boundary, the smallest subnormal and half of it, infinity; and a spread
+HALF_EDGES = [0.0, 1.0, 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-11 + 2**-20, 2048.0 + 1.0, 2048.0 + 3.0,
+              65504.0, 65519.99, 65520.0, 65536.0, 1e9, float("inf"), 2**-14, 2**-14 - 2**-25, 2**-24,
+              2**-25, 2**-25 + 2**-40, 3 * 2**-26, 5 * 2**-26, 1e-30, 0.1, 1 / 3, 3.14159, 123.456, 7e-5]
+HALF_EDGES = HALF_EDGES * 2  # each value, then its negative
+
+PORTABLE_CHECK = f"inf = float('inf')\nHALF_EDGES = {HALF_EDGES!r}\n" + """
 import sys, torch
 from dflash.engine import lowbit, native
 from dflash.engine.target import TargetModel
@@ -211,7 +219,9 @@ from dflash.testing import tiny_draft, tiny_target
 assert native.available() and native.simd() == sys.argv[2], native.simd()
 w = torch.randn(192, 576, generator=torch.Generator().manual_seed(0))
 x = torch.randn(1, 11, 576, generator=torch.Generator().manual_seed(1))
-torch.save({f: lowbit.QLinear(lowbit.quantize(w, f))(x) for f in ("q4_1", "q8_0")}, sys.argv[1])
+edges = torch.tensor(HALF_EDGES) * torch.tensor([1.0, -1.0]).repeat_interleave(len(HALF_EDGES) // 2)
+products = {f: lowbit.QLinear(lowbit.quantize(w, f))(x) for f in ("q4_1", "q8_0")}
+torch.save({**products, "half": (edges, torch.ops.dflash_lowbit.half(edges))}, sys.argv[1])
 model = tiny_target("llama", max_position_embeddings=512)
 target, draft = TargetModel(model, precision="int4"), tiny_draft(model, block_size=8)
 ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -240,6 +250,10 @@ def test_each_kernel_path_is_exact_and_computes_the_same_products(tmp_path, simd
     got = torch.load(out)
     w = torch.randn(192, 576, generator=torch.Generator().manual_seed(0))
     x = torch.randn(1, 11, 576, generator=torch.Generator().manual_seed(1))
+    edges, halves = got.pop("half")
+    bits = halves.view(torch.int16)  # the K/V cache's conversion, round to nearest even: torch's, bit for bit
+    assert torch.equal(bits, edges.half().view(torch.int16))
+    assert torch.equal(bits, torch.ops.dflash_lowbit.half(edges).view(torch.int16))
     for fmt, y in got.items():
         assert torch.equal(lowbit.QLinear(lowbit.quantize(w, fmt))(x), y), fmt
 

@@ -101,10 +101,10 @@ class StaticTargetCache(_TargetRollback):
     """The target's K/V in static_decoder's preallocated buffer (Llama-family targets):
     appending writes in place and `trim` only moves the length back."""
 
-    def __init__(self, model, capacity: int = 1024):
+    def __init__(self, model, capacity: int = 1024, dtype: torch.dtype | None = None):
         from dflash.engine.static_decoder import KVBuffer
 
-        self.kv = KVBuffer(model, 1, capacity)
+        self.kv = KVBuffer(model, 1, capacity, dtype)
 
     @property
     def length(self) -> int:

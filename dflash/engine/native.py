@@ -24,7 +24,7 @@ import torch
 from dflash.engine import machine
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("qmm.cpp", "attend.cpp", "layer.cpp", "ops.cpp")  # and lowbit.h, which they share
+SOURCES = ("half.cpp", "qmm.cpp", "attend.cpp", "layer.cpp", "ops.cpp")  # and lowbit.h, which they share
 NAME = "dflash_lowbit"
 FLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]  # no contraction: the float order is the source's
 # at::parallel_for (an inline template in torch's headers) runs threads only in code compiled with

@@ -9,8 +9,9 @@ them (owned by the adapter, engine/target.py).
 | `int4` | GGUF Q4_1 blocks | Q8_0 (as llama.cpp's Q4_1 files ship it) | int8 per 32 values |
 | `auto` | what the weights ship in: a GGUF's own blocks (SmolLM2's Q4_1 file: `int4`, no round trip through fp32), else the checkpoint's dtype | | |
 
-Every precision but fp32 runs the engine's own attention (engine/native.py) and keeps norms,
-rotary and residuals in fp32. Each gives a row the same bits whatever the number of rows in the
+Every precision but fp32 runs the engine's own attention (engine/native.py) over a K/V cache
+stored in fp16 (`TargetModel.kv_dtype`; as llama.cpp's default cache: half the bytes a step's
+attention reads), and keeps norms, rotary, residuals and the attention's arithmetic in fp32. Each gives a row the same bits whatever the number of rows in the
 pass (tests/test_precision.py), so speculative output equals plain decoding at that precision
 token for token. How far each is from fp32: docs/PERFORMANCE.md, "Precision"."""
 

@@ -31,13 +31,15 @@ class KVBuffer:
     """K and V of every layer, (L, B, KV, T_max, D) each, written in place; `length` is the
     number of positions filled (the same for every row: rows are left padded)."""
 
-    def __init__(self, model, batch: int, max_len: int):
+    def __init__(self, model, batch: int, max_len: int, dtype: torch.dtype | None = None):
+        """`dtype`: the storage (None: the model's; the native layers keep float16, see
+        TargetModel.kv_dtype)."""
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, head_dim)
         w = model.get_input_embeddings().weight
-        self.k = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        self.v = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.k = torch.zeros(shape, dtype=dtype or w.dtype, device=w.device)
+        self.v = torch.zeros(shape, dtype=dtype or w.dtype, device=w.device)
         self.length = 0
 
     @property

@@ -205,7 +205,14 @@ class TargetModel:
         buffer is allocated, zeroed, at that size, and grows past it; None: 1024)."""
         if not self.static:
             return TargetCache(self.model.config)
-        return StaticTargetCache(self.model) if capacity is None else StaticTargetCache(self.model, max(capacity, 1))
+        return StaticTargetCache(self.model, 1024 if capacity is None else max(capacity, 1), self.kv_dtype)
+
+    @property
+    def kv_dtype(self) -> torch.dtype | None:
+        """The K/V cache's storage: float16 below fp32 (the engine's own attention reads it,
+        half the bytes of a step's attention; as llama.cpp's default cache), else the model's
+        dtype (None: HF's numbers at fp32)."""
+        return torch.float16 if self.layout is not None else None
 
     @torch.inference_mode()
     def forward_hidden(self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None):

@@ -30,7 +30,9 @@ struct Unit {
   float total[MAXH];
 };
 
-inline const float* slot_row(const float* base, int64_t ks, int64_t past, const int64_t* fresh, int64_t pos) {
+using Half = uint16_t;  // the K/V cache's storage (half.cpp): loaded as float, all arithmetic in float
+
+inline const Half* slot_row(const Half* base, int64_t ks, int64_t past, const int64_t* fresh, int64_t pos) {
   return base + (pos < past ? pos : fresh[pos - past]) * ks;
 }
 
@@ -52,18 +54,22 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 tree4(__m512 a, 
 }
 
 // q . key by lane for each head: the first chunk's products, then fma chunk by chunk; zero for no key
+__attribute__((target("avx512f,f16c"), always_inline)) inline __m512 load16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
 template <int NV, int H>
-__attribute__((target("avx512f,fma"), always_inline)) inline void dots(const __m512 (&qv)[H][NV], const float* kr,
+__attribute__((target("avx512f,fma,f16c"), always_inline)) inline void dots(const __m512 (&qv)[H][NV], const Half* kr,
                                                                        __m512 (&acc)[H]) {
   if (!kr) {
     for (int h = 0; h < H; ++h) acc[h] = _mm512_setzero_ps();
     return;
   }
-  __m512 kc = _mm512_loadu_ps(kr);
+  __m512 kc = load16(kr);
   asm("" : "+v"(kc));  // one load for all the heads (not one folded into each fma)
   for (int h = 0; h < H; ++h) acc[h] = _mm512_mul_ps(qv[h][0], kc);
   for (int j = 1; j < NV; ++j) {
-    kc = _mm512_loadu_ps(kr + 16 * j);
+    kc = load16(kr + 16 * j);
     asm("" : "+v"(kc));
     for (int h = 0; h < H; ++h) acc[h] = _mm512_fmadd_ps(qv[h][j], kc, acc[h]);
   }
@@ -72,8 +78,8 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void dots(const __m
 // the scores of sixteen keys (rows kr[0..15], null: none), one vector a head; the tree summed
 // as the pairs of keys come, so that few vectors are live at once
 template <int NV, int H>
-__attribute__((target("avx512f,fma"), always_inline)) inline void scores16(const __m512 (&qv)[H][NV],
-                                                                           const float* const* kr, __m512 (&sc)[H]) {
+__attribute__((target("avx512f,fma,f16c"), always_inline)) inline void scores16(const __m512 (&qv)[H][NV],
+                                                                                const Half* const* kr, __m512 (&sc)[H]) {
   __m512 bp[H], cp[H], d0[H], d1[H];
 #pragma GCC unroll 8
   for (int p = 0; p < 8; ++p) {
@@ -96,15 +102,15 @@ __attribute__((target("avx512f,fma"), always_inline)) inline void scores16(const
 
 // the scores of positions from..to (from a multiple of 16) and each head's running max
 template <int NV, int H>
-__attribute__((target("avx512f,fma")))
-void scores_block(Unit& u, const float* k, int64_t ks, int64_t past, int64_t from, int64_t to, float scale) {
+__attribute__((target("avx512f,fma,f16c")))
+void scores_block(Unit& u, const Half* k, int64_t ks, int64_t past, int64_t from, int64_t to, float scale) {
   __m512 qv[H][NV], most[H];
   for (int h = 0; h < H; ++h) {
     for (int j = 0; j < NV; ++j) qv[h][j] = _mm512_loadu_ps(u.q[h] + 16 * j);
     most[h] = _mm512_loadu_ps(u.state + h * u.state_stride);
   }
   const __m512 sv = _mm512_set1_ps(scale);
-  const float* kr[16];
+  const Half* kr[16];
   for (int64_t i = from; i < to; i += 16) {
     const int64_t n = std::min<int64_t>(16, to - i);
     if (n == 16 && i + 16 <= past)
@@ -125,7 +131,7 @@ void scores_block(Unit& u, const float* k, int64_t ks, int64_t past, int64_t fro
 
 // a head's scores to weights (exp of score - max); returns their sum (by position mod 16, then
 // the lanes)
-__attribute__((target("avx512f,fma"))) inline float weights(float* scores, int64_t count, const float* most) {
+__attribute__((target("avx512f,fma,f16c"))) inline float weights(float* scores, int64_t count, const float* most) {
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(most)));
   int64_t i = 0;
   __m512 sums = _mm512_setzero_ps();
@@ -145,19 +151,19 @@ __attribute__((target("avx512f,fma"))) inline float weights(float* scores, int64
 
 // weights times values over positions from..to, added to each head's sum in position order
 template <int NV, int H>
-__attribute__((target("avx512f,fma")))
-void values_block(Unit& u, const float* v, int64_t ks, int64_t past, int64_t from, int64_t to) {
+__attribute__((target("avx512f,fma,f16c")))
+void values_block(Unit& u, const Half* v, int64_t ks, int64_t past, int64_t from, int64_t to) {
   __m512 o[H][NV];
   for (int h = 0; h < H; ++h)
     for (int j = 0; j < NV; ++j) o[h][j] = _mm512_loadu_ps(u.state + h * u.state_stride + 16 + 16 * j);
   const float* w[H];
   for (int h = 0; h < H; ++h) w[h] = u.scores + h * u.stride;
   for (int64_t s = from; s < to; ++s) {
-    const float* vr = slot_row(v, ks, past, u.fresh, s);
+    const Half* vr = slot_row(v, ks, past, u.fresh, s);
     __m512 p[H];
     for (int h = 0; h < H; ++h) p[h] = _mm512_set1_ps(w[h][s]);
     for (int j = 0; j < NV; ++j) {
-      __m512 vc = _mm512_loadu_ps(vr + 16 * j);
+      __m512 vc = load16(vr + 16 * j);
       asm("" : "+v"(vc));  // one load for all the heads (not one folded into each fma)
       for (int h = 0; h < H; ++h) o[h][j] = _mm512_fmadd_ps(p[h], vc, o[h][j]);
     }
@@ -168,8 +174,8 @@ void values_block(Unit& u, const float* v, int64_t ks, int64_t past, int64_t fro
 
 // a run of units that all read the keys and values k, v (one KV head), H heads each
 template <int NV, int H>
-__attribute__((target("avx512f,fma")))
-void attend_units_avx512(Unit* units, int64_t n, const float* k, const float* v, int64_t ks, int64_t past,
+__attribute__((target("avx512f,fma,f16c")))
+void attend_units_avx512(Unit* units, int64_t n, const Half* k, const Half* v, int64_t ks, int64_t past,
                          float scale) {
   int64_t longest = 0;
   for (int64_t x = 0; x < n; ++x) {
@@ -201,21 +207,21 @@ void attend_units_avx512(Unit* units, int64_t n, const float* k, const float* v,
 }
 
 template <int NV>
-void attend_units(Unit* units, int64_t n, int64_t h, const float* k, const float* v, int64_t ks, int64_t past,
+void attend_units(Unit* units, int64_t n, int64_t h, const Half* k, const Half* v, int64_t ks, int64_t past,
                   float scale) {
   if (h == 1) attend_units_avx512<NV, 1>(units, n, k, v, ks, past, scale);
   else if (h == 2) attend_units_avx512<NV, 2>(units, n, k, v, ks, past, scale);
   else attend_units_avx512<NV, 3>(units, n, k, v, ks, past, scale);
 }
 
-__attribute__((always_inline)) inline void attend_row_portable(const float* q, const float* k, const float* v, int64_t ks,
+__attribute__((always_inline)) inline void attend_row_portable(const float* q, const Half* k, const Half* v, int64_t ks,
                                                                const int64_t* slots, int64_t count, int64_t dim,
                                                                float scale, float* scores, float* out) {
   float best = -INFINITY;
   for (int64_t i = 0; i < count; ++i) {
-    const float* kr = k + slots[i] * ks;
+    const Half* kr = k + slots[i] * ks;
     float acc = 0.f;
-    for (int64_t j = 0; j < dim; ++j) acc = std::fmaf(q[j], kr[j], acc);
+    for (int64_t j = 0; j < dim; ++j) acc = std::fmaf(q[j], half_to_float(kr[j]), acc);
     scores[i] = acc * scale;
     best = std::max(best, scores[i]);
   }
@@ -223,8 +229,8 @@ __attribute__((always_inline)) inline void attend_row_portable(const float* q, c
   for (int64_t j = 0; j < dim; ++j) out[j] = 0.f;
   for (int64_t s = 0; s < count; ++s) {
     const float p = std::exp(scores[s] - best);
-    const float* vr = v + slots[s] * ks;
-    for (int64_t j = 0; j < dim; ++j) out[j] = std::fmaf(p, vr[j], out[j]);
+    const Half* vr = v + slots[s] * ks;
+    for (int64_t j = 0; j < dim; ++j) out[j] = std::fmaf(p, half_to_float(vr[j]), out[j]);
     total += p;
   }
   const float inv = 1.f / total;
@@ -232,7 +238,7 @@ __attribute__((always_inline)) inline void attend_row_portable(const float* q, c
 }
 
 // with hardware fma where the CPU has it (fmaf is exact either way: the same bits)
-__attribute__((target("avx2,fma"))) void attend_row_fma(const float* q, const float* k, const float* v, int64_t ks,
+__attribute__((target("avx2,fma"))) void attend_row_fma(const float* q, const Half* k, const Half* v, int64_t ks,
                                                          const int64_t* slots, int64_t count, int64_t dim,
                                                          float scale, float* scores, float* out) {
   attend_row_portable(q, k, v, ks, slots, count, dim, scale, scores, out);
@@ -241,7 +247,11 @@ __attribute__((target("avx2,fma"))) void attend_row_fma(const float* q, const fl
 // The AVX2 code (dim a multiple of 8, at most 128): each score's products by lane, fma chunk by
 // chunk, the lanes summed in a fixed order; the weights' exp 8 at a time; their sum in slot order;
 // the weighted values summed position by position in registers.
-__attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const float* k, const float* v, int64_t ks,
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+
+__attribute__((target("avx2,fma,f16c"))) void attend_row_avx2(const float* q, const Half* k, const Half* v, int64_t ks,
                                                           const int64_t* slots, int64_t count, int64_t dim,
                                                           float scale, float* scores, float* out) {
   const int64_t nv = dim / 8;
@@ -249,9 +259,9 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const f
   for (int64_t c = 0; c < nv; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
   float best = -INFINITY;
   for (int64_t i = 0; i < count; ++i) {
-    const float* kr = k + slots[i] * ks;
-    __m256 acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
-    for (int64_t c = 1; c < nv; ++c) acc = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + 8 * c), acc);
+    const Half* kr = k + slots[i] * ks;
+    __m256 acc = _mm256_mul_ps(qv[0], load8(kr));
+    for (int64_t c = 1; c < nv; ++c) acc = _mm256_fmadd_ps(qv[c], load8(kr + 8 * c), acc);
     scores[i] = hsum_avx2(acc) * scale;
     best = std::max(best, scores[i]);
   }
@@ -270,15 +280,15 @@ __attribute__((target("avx2,fma"))) void attend_row_avx2(const float* q, const f
   for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t s = 0; s < count; ++s) {
     const __m256 p = _mm256_set1_ps(scores[s]);
-    const float* vr = v + slots[s] * ks;
-    for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+    const Half* vr = v + slots[s] * ks;
+    for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vr + 8 * c), acc[c]);
     total += scores[s];
   }
   const __m256 inv = _mm256_set1_ps(1.f / total);
   for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
 }
 
-void attend_row_scalar(const float* q, const float* k, const float* v, int64_t ks, const int64_t* slots,
+void attend_row_scalar(const float* q, const Half* k, const Half* v, int64_t ks, const int64_t* slots,
                        int64_t count, int64_t dim, float scale, float* scores, float* out) {
   static const bool fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa() == Isa::avx2 && dim % 8 == 0 && dim <= 128)
@@ -287,7 +297,7 @@ void attend_row_scalar(const float* q, const float* k, const float* v, int64_t k
   attend_row_portable(q, k, v, ks, slots, count, dim, scale, scores, out);
 }
 
-void attend_into(const float* qp, int64_t t, int64_t heads, int64_t dim, const float* kp, const float* vp,
+void attend_into(const float* qp, int64_t t, int64_t heads, int64_t dim, const Half* kp, const Half* vp,
                  int64_t groups, int64_t hstride, int64_t past, const bool* mp, float scale, float* op) {
   const int64_t per_group = heads / groups;
   const int64_t nv = has_avx512() && dim % 16 == 0 ? dim / 16 : 0;
@@ -344,8 +354,8 @@ void attend_into(const float* qp, int64_t t, int64_t heads, int64_t dim, const f
         u.state = u.scores + hmax * stride;
         u.state_stride = state_stride;
       }
-      const float* kg = kp + g * hstride;
-      const float* vg = vp + g * hstride;
+      const Half* kg = kp + g * hstride;
+      const Half* vg = vp + g * hstride;
       if (nv == 1) attend_units<1>(units, n, h, kg, vg, dim, past, scale);
       else if (nv == 2) attend_units<2>(units, n, h, kg, vg, dim, past, scale);
       else if (nv == 4) attend_units<4>(units, n, h, kg, vg, dim, past, scale);
@@ -354,13 +364,13 @@ void attend_into(const float* qp, int64_t t, int64_t heads, int64_t dim, const f
   });
 }
 
-// q (T, NH, D); k, v (KV, S, D) with S >= past + T, the layer's buffer (rows may be strided);
+// q (T, NH, D) float32; k, v (KV, S, D) float16 with S >= past + T, the layer's buffer (rows may be strided);
 // mask (T, T) bool, the new slots each new row sees (undefined: causal). Returns (T, NH, D).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past,
                   const c10::optional<at::Tensor>& mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q (T, NH, D), k and v (KV, S, D)");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "attend: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kHalf && v.scalar_type() == at::kHalf,
+              "attend: q float32, k and v float16 (the K/V cache's storage)");
   const int64_t t = q.size(0), heads = q.size(1), dim = q.size(2), groups = k.size(0);
   TORCH_CHECK(heads % groups == 0 && k.size(2) == dim && v.sizes() == k.sizes(), "attend: head shapes disagree");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == dim && v.stride(1) == dim &&
@@ -373,7 +383,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   const at::Tensor qc = q.contiguous();
   at::Tensor out = at::empty_like(qc);
-  attend_into(qc.data_ptr<float>(), t, heads, dim, k.data_ptr<float>(), v.data_ptr<float>(), groups, k.stride(0),
+  attend_into(qc.data_ptr<float>(), t, heads, dim, reinterpret_cast<const Half*>(k.data_ptr<at::Half>()),
+              reinterpret_cast<const Half*>(v.data_ptr<at::Half>()), groups, k.stride(0),
               past, visible.defined() ? visible.data_ptr<bool>() : nullptr, (float)scale, out.data_ptr<float>());
   return out;
 }

@@ -108,7 +108,7 @@ LayerWeights layer_weights(const at::Tensor* w, const int64_t* bits, const at::T
 // with its own K/V buffer, cached length and mask.
 struct Segment {
   int64_t start, count, past;  // its rows start..start+count-1 of the pass; its cached slots
-  float *k, *v;                // the layer's buffer of this sequence, (KV, S, D)
+  uint16_t *k, *v;             // the layer's buffer of this sequence, (KV, S, D), fp16 (half.cpp)
   int64_t head_stride;         // S * D: its buffer's length varies by sequence
   const bool* mask;            // (count, count) or nullptr: causal
 };
@@ -123,7 +123,7 @@ struct Pass {
 void run_layer(const float* xp, float* y, const LayerWeights& w, const Pass& p, std::vector<Segment>& segs) {
   const int64_t t = p.t, h = p.h, dim = p.dim, nq = p.heads * dim, nkv = p.groups * dim, gu_n = w.gu.n;
   std::vector<float> hn(t * h), qkv_out(t * (nq + 2 * nkv)), q(t * nq), att(t * nq), proj(t * h), gu_out(t * gu_n),
-      act(t * gu_n / 2);
+      act(t * gu_n / 2), key(dim);
   rms_norm_rows(xp, t, h, w.norms, p.eps, hn.data());
   qmm_into(hn.data(), t, w.qkv, qkv_out.data());
   for (const Segment& s : segs)
@@ -133,8 +133,9 @@ void run_layer(const float* xp, float* y, const LayerWeights& w, const Pass& p, 
       const int64_t slot = s.past + r - s.start;
       for (int64_t a = 0; a < p.heads; ++a) rotate(row + a * dim, c, sn, dim, q.data() + r * nq + a * dim);
       for (int64_t g = 0; g < p.groups; ++g) {
-        rotate(row + nq + g * dim, c, sn, dim, s.k + g * s.head_stride + slot * dim);
-        std::memcpy(s.v + g * s.head_stride + slot * dim, row + nq + nkv + g * dim, dim * sizeof(float));
+        rotate(row + nq + g * dim, c, sn, dim, key.data());
+        to_half(key.data(), dim, s.k + g * s.head_stride + slot * dim);
+        to_half(row + nq + nkv + g * dim, dim, s.v + g * s.head_stride + slot * dim);
       }
     }
   auto attend_segment = [&](const Segment& s) {
@@ -157,9 +158,12 @@ void run_layer(const float* xp, float* y, const LayerWeights& w, const Pass& p, 
   for (int64_t i = 0; i < t * h; ++i) y[i] += proj[i];
 }
 
+uint16_t* half_ptr(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); }
+
 void check_buffer(const at::Tensor& k, const at::Tensor& v, int64_t layers, int64_t dim, int64_t end) {
-  TORCH_CHECK(k.dim() == 5 && k.size(0) == layers && k.size(1) == 1, "llama_forward: each K/V buffer is (L, 1, KV, S, D)");
-  TORCH_CHECK(k.scalar_type() == at::kFloat && k.stride(-1) == 1 && k.stride(-2) == dim && v.strides() == k.strides() &&
+  TORCH_CHECK(k.dim() == 5 && k.size(0) == layers && k.size(1) == 1,
+              "llama_forward: each K/V buffer is (L, 1, KV, S, D) float16");
+  TORCH_CHECK(k.scalar_type() == at::kHalf && k.stride(-1) == 1 && k.stride(-2) == dim && v.strides() == k.strides() &&
               v.sizes() == k.sizes() && k.size(-1) == dim && end <= k.size(-2), "llama_forward: the K/V buffer does not fit");
 }
 
@@ -168,7 +172,7 @@ void check_buffer(const at::Tensor& k, const at::Tensor& v, int64_t layers, int6
 // Every Llama layer in one call, over the new tokens of one or more sequences. x (T, H): the
 // segments' rows one after another, `counts` of them each; weights: per layer the [u, d, m] of its
 // q/k/v stack, o, gate/up stack and down, bits: theirs; norms (L, 2, H): each layer's two RMSNorm
-// weights; cos, sin (T, D); k_all[i], v_all[i] (L, 1, KV, S, D): segment i's K/V buffer, written at
+// weights; cos, sin (T, D); k_all[i], v_all[i] (L, 1, KV, S, D) fp16: segment i's K/V buffer, written at
 // pasts[i]..; masks[i] (count, count) bool: the new slots each of its rows sees (undefined: causal).
 // Returns [x after the last layer, x after each layer of `keep`].
 std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits,
@@ -209,8 +213,8 @@ std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weight
     const LayerWeights w = layer_weights(weights.data() + 12 * l, bits.data() + 4 * l, norms[l], p.h,
                                          heads * p.dim, p.groups * p.dim);
     for (int64_t i = 0, s0 = 0; i < nseg; s0 += counts[i], ++i)  // layer l of each buffer, by its stride (no views)
-      segs[i] = Segment{s0, counts[i], pasts[i], k_all[i].data_ptr<float>() + l * k_all[i].stride(0),
-                        v_all[i].data_ptr<float>() + l * v_all[i].stride(0), k_all[i].stride(2),
+      segs[i] = Segment{s0, counts[i], pasts[i], half_ptr(k_all[i]) + l * k_all[i].stride(0),
+                        half_ptr(v_all[i]) + l * v_all[i].stride(0), k_all[i].stride(2),
                         visible[i].defined() ? visible[i].data_ptr<bool>() : nullptr};
     run_layer(a.data_ptr<float>(), b.data_ptr<float>(), w, p, segs);
     std::swap(a, b);

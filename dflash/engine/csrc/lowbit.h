@@ -41,7 +41,9 @@ inline Isa isa() {
 
 inline bool has_avx512() { return isa() == Isa::avx512; }
 
+// IEEE half (half.cpp): exact to float; from float rounded to nearest, ties to even, on every path
 float half_to_float(uint16_t h);
+void to_half(const float* x, int64_t n, uint16_t* y);
 
 // exp by range reduction and a degree-6 polynomial (Cephes' expf): x = n ln2 + r, n = round(x /
 // ln2) (ln2 in two parts), exp(r) = 1 + r + r^2 P(r), P's coefficients highest first
@@ -96,14 +98,15 @@ Weight weight_of(const at::Tensor& u, const at::Tensor& d, const at::Tensor& m, 
 // y (rows, N) = x (rows, K) times the weight; rows independent of each other.
 void qmm_into(const float* x, int64_t rows, const Weight& w, float* y);
 
-// out (T, heads, dim) = attention of q (T, heads, dim) over the layer's k, v (groups, S, dim):
+// out (T, heads, dim) = attention of q (T, heads, dim) over the layer's k, v (groups, S, dim), fp16:
 // row i over slots 0..past-1 and the new slots mask (T, T) allows (nullptr: causal).
-void attend_into(const float* q, int64_t t, int64_t heads, int64_t dim, const float* k, const float* v,
+void attend_into(const float* q, int64_t t, int64_t heads, int64_t dim, const uint16_t* k, const uint16_t* v,
                  int64_t groups, int64_t hstride, int64_t past, const bool* mask, float scale, float* out);
 
 // the ops (ops.cpp registers them)
 at::Tensor qmm(const at::Tensor& x, const at::Tensor& u, const at::Tensor& d, const at::Tensor& m, int64_t n, int64_t bits);
 std::vector<at::Tensor> quantize(const at::Tensor& x);
+at::Tensor half(const at::Tensor& x);
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t past,
                   const c10::optional<at::Tensor>& mask, double scale);
 std::vector<at::Tensor> llama_forward(const at::Tensor& x, at::TensorList weights, at::IntArrayRef bits,

@@ -31,6 +31,7 @@ using namespace dflash_lowbit;
 TORCH_LIBRARY(dflash_lowbit, lib) {
   lib.def("qmm(Tensor x, Tensor u, Tensor d, Tensor m, int n, int bits) -> Tensor");
   lib.def("quantize(Tensor x) -> Tensor[]");
+  lib.def("half(Tensor x) -> Tensor");
   lib.def("attend(Tensor q, Tensor k, Tensor v, int past, Tensor? mask, float scale) -> Tensor");
   lib.def("llama_forward(Tensor x, Tensor[] weights, int[] bits, Tensor norms, float eps, Tensor cos, Tensor sin, "
           "Tensor[] k_all, Tensor[] v_all, int[] pasts, int[] counts, Tensor[] masks, float scale, int heads, "
@@ -42,6 +43,7 @@ TORCH_LIBRARY(dflash_lowbit, lib) {
 TORCH_LIBRARY_IMPL(dflash_lowbit, CPU, lib) {
   lib.impl("qmm", qmm);
   lib.impl("quantize", quantize);
+  lib.impl("half", half);
   lib.impl("attend", attend);
   lib.impl("llama_forward", llama_forward);
 }

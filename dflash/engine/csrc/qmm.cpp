@@ -25,30 +25,6 @@
 
 namespace dflash_lowbit {
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  int32_t exp = (h >> 10) & 0x1F;
-  uint32_t man = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exp = 1;
-      while (!(man & 0x400)) { man <<= 1; --exp; }
-      man &= 0x3FF;
-      bits = sign | (uint32_t)(exp + 112) << 23 | (man << 13);
-    }
-  } else {
-    bits = sign | (uint32_t)(exp + 112) << 23 | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // ---- activations: int8 per row and block -------------------------------------------------
 // q int8 (32 a block), d, s: the scale and d * sum(q), at `slot(...)`: row-major (M, K) when
 // chunks = 0, else the kernel's (blocks, chunks, MR, 32). Same bits on every path: the max is
