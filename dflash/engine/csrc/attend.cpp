@@ -17,6 +17,7 @@ namespace dflash_lowbit {
 
 constexpr int64_t KB = 64;  // positions per block (16 KB of keys or values at dim 64)
 constexpr int MAXH = 3;     // query heads per unit
+constexpr int64_t SHARED = 4;  // units in a run from which its keys and values are read from a float copy
 
 struct Unit {
   const float* q[MAXH];
@@ -32,7 +33,8 @@ struct Unit {
 
 using Half = uint16_t;  // the K/V cache's storage (half.cpp): loaded as float, all arithmetic in float
 
-inline const Half* slot_row(const Half* base, int64_t ks, int64_t past, const int64_t* fresh, int64_t pos) {
+template <typename T>
+inline const T* slot_row(const T* base, int64_t ks, int64_t past, const int64_t* fresh, int64_t pos) {
   return base + (pos < past ? pos : fresh[pos - past]) * ks;
 }
 
@@ -54,12 +56,14 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 tree4(__m512 a, 
 }
 
 // q . key by lane for each head: the first chunk's products, then fma chunk by chunk; zero for no key
+// sixteen keys' or values' numbers as floats: from the fp16 cache, or from a float copy of it
 __attribute__((target("avx512f,f16c"), always_inline)) inline __m512 load16(const Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
-template <int NV, int H>
-__attribute__((target("avx512f,fma,f16c"), always_inline)) inline void dots(const __m512 (&qv)[H][NV], const Half* kr,
+template <int NV, int H, typename T>
+__attribute__((target("avx512f,fma,f16c"), always_inline)) inline void dots(const __m512 (&qv)[H][NV], const T* kr,
                                                                        __m512 (&acc)[H]) {
   if (!kr) {
     for (int h = 0; h < H; ++h) acc[h] = _mm512_setzero_ps();
@@ -77,15 +81,15 @@ __attribute__((target("avx512f,fma,f16c"), always_inline)) inline void dots(cons
 
 // the scores of sixteen keys (rows kr[0..15], null: none), one vector a head; the tree summed
 // as the pairs of keys come, so that few vectors are live at once
-template <int NV, int H>
+template <int NV, int H, typename T>
 __attribute__((target("avx512f,fma,f16c"), always_inline)) inline void scores16(const __m512 (&qv)[H][NV],
-                                                                                const Half* const* kr, __m512 (&sc)[H]) {
+                                                                                const T* const* kr, __m512 (&sc)[H]) {
   __m512 bp[H], cp[H], d0[H], d1[H];
 #pragma GCC unroll 8
   for (int p = 0; p < 8; ++p) {
     __m512 a0[H], a1[H], b[H];
-    dots<NV, H>(qv, kr[2 * p], a0);
-    dots<NV, H>(qv, kr[2 * p + 1], a1);
+    dots<NV, H, T>(qv, kr[2 * p], a0);
+    dots<NV, H, T>(qv, kr[2 * p + 1], a1);
     for (int h = 0; h < H; ++h) b[h] = tree1(a0[h], a1[h]);
     if (p % 2 == 0) {
       for (int h = 0; h < H; ++h) bp[h] = b[h];
@@ -101,16 +105,16 @@ __attribute__((target("avx512f,fma,f16c"), always_inline)) inline void scores16(
 }
 
 // the scores of positions from..to (from a multiple of 16) and each head's running max
-template <int NV, int H>
+template <int NV, int H, typename T>
 __attribute__((target("avx512f,fma,f16c")))
-void scores_block(Unit& u, const Half* k, int64_t ks, int64_t past, int64_t from, int64_t to, float scale) {
+void scores_block(Unit& u, const T* k, int64_t ks, int64_t past, int64_t from, int64_t to, float scale) {
   __m512 qv[H][NV], most[H];
   for (int h = 0; h < H; ++h) {
     for (int j = 0; j < NV; ++j) qv[h][j] = _mm512_loadu_ps(u.q[h] + 16 * j);
     most[h] = _mm512_loadu_ps(u.state + h * u.state_stride);
   }
   const __m512 sv = _mm512_set1_ps(scale);
-  const Half* kr[16];
+  const T* kr[16];
   for (int64_t i = from; i < to; i += 16) {
     const int64_t n = std::min<int64_t>(16, to - i);
     if (n == 16 && i + 16 <= past)
@@ -118,7 +122,7 @@ void scores_block(Unit& u, const Half* k, int64_t ks, int64_t past, int64_t from
     else
       for (int a = 0; a < 16; ++a) kr[a] = a < n ? slot_row(k, ks, past, u.fresh, i + a) : nullptr;
     __m512 sc[H];
-    scores16<NV, H>(qv, kr, sc);
+    scores16<NV, H, T>(qv, kr, sc);
     const __mmask16 live = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
     for (int h = 0; h < H; ++h) {
       const __m512 x = _mm512_mul_ps(sc[h], sv);
@@ -150,16 +154,16 @@ __attribute__((target("avx512f,fma,f16c"))) inline float weights(float* scores, 
 }
 
 // weights times values over positions from..to, added to each head's sum in position order
-template <int NV, int H>
+template <int NV, int H, typename T>
 __attribute__((target("avx512f,fma,f16c")))
-void values_block(Unit& u, const Half* v, int64_t ks, int64_t past, int64_t from, int64_t to) {
+void values_block(Unit& u, const T* v, int64_t ks, int64_t past, int64_t from, int64_t to) {
   __m512 o[H][NV];
   for (int h = 0; h < H; ++h)
     for (int j = 0; j < NV; ++j) o[h][j] = _mm512_loadu_ps(u.state + h * u.state_stride + 16 + 16 * j);
   const float* w[H];
   for (int h = 0; h < H; ++h) w[h] = u.scores + h * u.stride;
   for (int64_t s = from; s < to; ++s) {
-    const Half* vr = slot_row(v, ks, past, u.fresh, s);
+    const T* vr = slot_row(v, ks, past, u.fresh, s);
     __m512 p[H];
     for (int h = 0; h < H; ++h) p[h] = _mm512_set1_ps(w[h][s]);
     for (int j = 0; j < NV; ++j) {
@@ -173,9 +177,9 @@ void values_block(Unit& u, const Half* v, int64_t ks, int64_t past, int64_t from
 }
 
 // a run of units that all read the keys and values k, v (one KV head), H heads each
-template <int NV, int H>
+template <int NV, int H, typename T>
 __attribute__((target("avx512f,fma,f16c")))
-void attend_units_avx512(Unit* units, int64_t n, const Half* k, const Half* v, int64_t ks, int64_t past,
+void attend_units_avx512(Unit* units, int64_t n, const T* k, const T* v, int64_t ks, int64_t past,
                          float scale) {
   int64_t longest = 0;
   for (int64_t x = 0; x < n; ++x) {
@@ -184,7 +188,7 @@ void attend_units_avx512(Unit* units, int64_t n, const Half* k, const Half* v, i
   }
   for (int64_t b = 0; b < longest; b += KB)
     for (int64_t x = 0; x < n; ++x)
-      if (b < units[x].count) scores_block<NV, H>(units[x], k, ks, past, b, std::min(b + KB, units[x].count), scale);
+      if (b < units[x].count) scores_block<NV, H, T>(units[x], k, ks, past, b, std::min(b + KB, units[x].count), scale);
   for (int64_t x = 0; x < n; ++x) {
     Unit& u = units[x];
     for (int h = 0; h < H; ++h) {
@@ -195,7 +199,7 @@ void attend_units_avx512(Unit* units, int64_t n, const Half* k, const Half* v, i
   }
   for (int64_t b = 0; b < longest; b += KB)
     for (int64_t x = 0; x < n; ++x)
-      if (b < units[x].count) values_block<NV, H>(units[x], v, ks, past, b, std::min(b + KB, units[x].count));
+      if (b < units[x].count) values_block<NV, H, T>(units[x], v, ks, past, b, std::min(b + KB, units[x].count));
   for (int64_t x = 0; x < n; ++x) {
     const Unit& u = units[x];
     for (int h = 0; h < H; ++h) {
@@ -206,12 +210,21 @@ void attend_units_avx512(Unit* units, int64_t n, const Half* k, const Half* v, i
   }
 }
 
-template <int NV>
-void attend_units(Unit* units, int64_t n, int64_t h, const Half* k, const Half* v, int64_t ks, int64_t past,
+template <typename T>
+void attend_units(Unit* units, int64_t n, int64_t nv, int64_t h, const T* k, const T* v, int64_t ks, int64_t past,
                   float scale) {
-  if (h == 1) attend_units_avx512<NV, 1>(units, n, k, v, ks, past, scale);
-  else if (h == 2) attend_units_avx512<NV, 2>(units, n, k, v, ks, past, scale);
-  else attend_units_avx512<NV, 3>(units, n, k, v, ks, past, scale);
+  switch (nv * 4 + h) {
+    case 5: return attend_units_avx512<1, 1, T>(units, n, k, v, ks, past, scale);
+    case 6: return attend_units_avx512<1, 2, T>(units, n, k, v, ks, past, scale);
+    case 7: return attend_units_avx512<1, 3, T>(units, n, k, v, ks, past, scale);
+    case 9: return attend_units_avx512<2, 1, T>(units, n, k, v, ks, past, scale);
+    case 10: return attend_units_avx512<2, 2, T>(units, n, k, v, ks, past, scale);
+    case 11: return attend_units_avx512<2, 3, T>(units, n, k, v, ks, past, scale);
+    case 17: return attend_units_avx512<4, 1, T>(units, n, k, v, ks, past, scale);
+    case 18: return attend_units_avx512<4, 2, T>(units, n, k, v, ks, past, scale);
+    case 19: return attend_units_avx512<4, 3, T>(units, n, k, v, ks, past, scale);
+    default: return attend_units_avx512<8, 1, T>(units, n, k, v, ks, past, scale);  // nv 8: one head a unit
+  }
 }
 
 __attribute__((always_inline)) inline void attend_row_portable(const float* q, const Half* k, const Half* v, int64_t ks,
@@ -333,7 +346,7 @@ void attend_into(const float* qp, int64_t t, int64_t heads, int64_t dim, const H
   const int64_t stride = (past + t + 15) / 16 * 16, state_stride = 16 + dim;
   const int64_t per_unit = hmax * (stride + state_stride);
   at::parallel_for(0, groups * chunks * t, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scratch;
+    thread_local std::vector<float> scratch, copy;
     if ((int64_t)scratch.size() < most * per_unit) scratch.resize(most * per_unit);
     Unit units[most];
     for (int64_t job = begin; job < end;) {
@@ -356,10 +369,15 @@ void attend_into(const float* qp, int64_t t, int64_t heads, int64_t dim, const H
       }
       const Half* kg = kp + g * hstride;
       const Half* vg = vp + g * hstride;
-      if (nv == 1) attend_units<1>(units, n, h, kg, vg, dim, past, scale);
-      else if (nv == 2) attend_units<2>(units, n, h, kg, vg, dim, past, scale);
-      else if (nv == 4) attend_units<4>(units, n, h, kg, vg, dim, past, scale);
-      else attend_units<8>(units, n, h, kg, vg, dim, past, scale);
+      if (n < SHARED) {
+        attend_units(units, n, nv, h, kg, vg, dim, past, scale);
+      } else {  // the run's rows read the same keys and values: each converted to float once, for all
+        const int64_t values = (past + t) * dim;  // every slot a row of this call may see
+        if ((int64_t)copy.size() < 2 * values) copy.resize(2 * values);
+        to_float(kg, values, copy.data());
+        to_float(vg, values, copy.data() + values);
+        attend_units(units, n, nv, h, (const float*)copy.data(), (const float*)copy.data() + values, dim, past, scale);
+      }
     }
   });
 }

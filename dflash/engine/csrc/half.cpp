@@ -70,6 +70,18 @@ void to_half_avx2(const float* x, int64_t n, uint16_t* y) {
 
 }  // namespace
 
+__attribute__((target("avx512f,f16c")))
+void to_float_avx512(const uint16_t* x, int64_t n, float* y) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i))));
+  for (; i < n; ++i) y[i] = half_to_float(x[i]);
+}
+
+void to_float(const uint16_t* x, int64_t n, float* y) {
+  if (isa() == Isa::avx512) return to_float_avx512(x, n, y);
+  for (int64_t i = 0; i < n; ++i) y[i] = half_to_float(x[i]);
+}
+
 void to_half(const float* x, int64_t n, uint16_t* y) {
   if (isa() == Isa::avx512) return to_half_avx512(x, n, y);
   if (isa() == Isa::avx2) return to_half_avx2(x, n, y);

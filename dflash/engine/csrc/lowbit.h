@@ -44,6 +44,7 @@ inline bool has_avx512() { return isa() == Isa::avx512; }
 // IEEE half (half.cpp): exact to float; from float rounded to nearest, ties to even, on every path
 float half_to_float(uint16_t h);
 void to_half(const float* x, int64_t n, uint16_t* y);
+void to_float(const uint16_t* x, int64_t n, float* y);
 
 // exp by range reduction and a degree-6 polynomial (Cephes' expf): x = n ln2 + r, n = round(x /
 // ln2) (ln2 in two parts), exp(r) = 1 + r + r^2 P(r), P's coefficients highest first
