@@ -129,6 +129,27 @@ def test_the_draft_reads_every_committed_position_once_through_steps_without_it(
     assert drafted > 0 and skipped > 0 and plain > 0
 
 
+@needs_native
+def test_a_drafted_step_whose_tree_keeps_no_node_is_verified_as_a_tree_in_a_shared_pass():
+    """A tree proposer whose draft ran but whose budget keeps no node proposes an empty tree (it
+    still learns from the draft's pass); beside another row in one pass, its greedy output is
+    the target's own."""
+    model = tiny_target("llama", max_position_embeddings=512)
+    draft = tiny_draft(model, block_size=8)
+    target = TargetModel(model, precision="int4")
+    empty = TreeProposer(DraftProposer(draft, target, SamplingParams(), draft.config.mask_token_id),
+                         verify_cost=lambda n: 1.0 if n <= 1 else 1e6, draft_cost=1.0)
+    for bucket in range(4):  # the draft measured a gain beside every offer: it runs every step
+        empty.gains[bucket].observe(3, 2.0, 1, 1.0)
+    prompts = _prompts(2, seed=11)
+    rows = [open_row(draft, target, prompts[0], 30, block_size=8, proposer=empty),
+            open_row(draft, target, prompts[1], 30, block_size=8, proposer="hybrid")]
+    out, widest = _run_batched(rows, prompts, joins=[0, 0])
+    assert widest == 2 and empty.state.draft_ms is not None  # the draft ran
+    for p, tokens in zip(prompts, out):
+        assert tokens == dflash_generate(None, target, p, 30, block_size=1)[0, p.shape[1]:].tolist()
+
+
 def test_rows_on_a_target_without_shared_passes_still_equal_their_requests():
     """fp32 (HF's numbers): rows take their passes one after another, outputs unchanged."""
     model = tiny_target("llama", max_position_embeddings=512)

@@ -290,7 +290,7 @@ def _verify_together(rows: list[Row], blocks: list) -> list:
                 rest[i] = part
     verdicts = []
     for i, (r, block) in enumerate(zip(rows, blocks)):
-        if len(block) == 0 and r.params.greedy:  # a plain greedy step: its token is the row's argmax
+        if isinstance(block, Proposal) and len(block) == 0 and r.params.greedy:  # a plain greedy step: its argmax
             verdicts.append((None, [], top[i:i + 1], outs[i][1]))
             continue
         full = first[:, i:i + 1] if i not in rest else torch.cat([first[:, i:i + 1], rest[i]], dim=1)  # (1, n, V)
