@@ -17,7 +17,7 @@ namespace dflash_lowbit {
 
 constexpr int64_t KB = 64;  // positions per block (16 KB of keys or values at dim 64)
 constexpr int MAXH = 3;     // query heads per unit
-constexpr int64_t SHARED = 4;  // units in a run from which its keys and values are read from a float copy
+constexpr int64_t SHARED = 4;  // a run of at least this many units reads a float copy of its keys and values
 
 struct Unit {
   const float* q[MAXH];
@@ -210,21 +210,21 @@ void attend_units_avx512(Unit* units, int64_t n, const T* k, const T* v, int64_t
   }
 }
 
+template <int NV, typename T>
+void attend_heads(Unit* units, int64_t n, int64_t h, const T* k, const T* v, int64_t ks, int64_t past, float scale) {
+  if (h == 1) attend_units_avx512<NV, 1, T>(units, n, k, v, ks, past, scale);
+  else if (h == 2) attend_units_avx512<NV, 2, T>(units, n, k, v, ks, past, scale);
+  else attend_units_avx512<NV, 3, T>(units, n, k, v, ks, past, scale);
+}
+
+// units of h query heads each, their vectors nv x 16 floats (nv 8: one head a unit)
 template <typename T>
 void attend_units(Unit* units, int64_t n, int64_t nv, int64_t h, const T* k, const T* v, int64_t ks, int64_t past,
                   float scale) {
-  switch (nv * 4 + h) {
-    case 5: return attend_units_avx512<1, 1, T>(units, n, k, v, ks, past, scale);
-    case 6: return attend_units_avx512<1, 2, T>(units, n, k, v, ks, past, scale);
-    case 7: return attend_units_avx512<1, 3, T>(units, n, k, v, ks, past, scale);
-    case 9: return attend_units_avx512<2, 1, T>(units, n, k, v, ks, past, scale);
-    case 10: return attend_units_avx512<2, 2, T>(units, n, k, v, ks, past, scale);
-    case 11: return attend_units_avx512<2, 3, T>(units, n, k, v, ks, past, scale);
-    case 17: return attend_units_avx512<4, 1, T>(units, n, k, v, ks, past, scale);
-    case 18: return attend_units_avx512<4, 2, T>(units, n, k, v, ks, past, scale);
-    case 19: return attend_units_avx512<4, 3, T>(units, n, k, v, ks, past, scale);
-    default: return attend_units_avx512<8, 1, T>(units, n, k, v, ks, past, scale);  // nv 8: one head a unit
-  }
+  if (nv == 1) attend_heads<1, T>(units, n, h, k, v, ks, past, scale);
+  else if (nv == 2) attend_heads<2, T>(units, n, h, k, v, ks, past, scale);
+  else if (nv == 4) attend_heads<4, T>(units, n, h, k, v, ks, past, scale);
+  else attend_units_avx512<8, 1, T>(units, n, k, v, ks, past, scale);
 }
 
 __attribute__((always_inline)) inline void attend_row_portable(const float* q, const Half* k, const Half* v, int64_t ks,
