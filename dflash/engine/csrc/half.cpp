@@ -52,15 +52,16 @@ uint16_t float_to_half(float f) {
   return sign | round_even((ax & 0x7FFFFF) | 0x800000, 126 - e);  // subnormal, in units of 2^-24
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+__attribute__((target("avx512f,f16c")))
 void to_half_avx512(const float* x, int64_t n, uint16_t* y) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256((__m256i*)(y + i), _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256((__m256i*)(y + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   for (; i < n; ++i) y[i] = float_to_half(x[i]);
 }
 
-__attribute__((target("avx2,fma,f16c")))
+__attribute__((target("avx2,f16c")))
 void to_half_avx2(const float* x, int64_t n, uint16_t* y) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
@@ -68,14 +69,14 @@ void to_half_avx2(const float* x, int64_t n, uint16_t* y) {
   for (; i < n; ++i) y[i] = float_to_half(x[i]);
 }
 
-}  // namespace
-
 __attribute__((target("avx512f,f16c")))
 void to_float_avx512(const uint16_t* x, int64_t n, float* y) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(x + i))));
   for (; i < n; ++i) y[i] = half_to_float(x[i]);
 }
+
+}  // namespace
 
 void to_float(const uint16_t* x, int64_t n, float* y) {
   if (isa() == Isa::avx512) return to_float_avx512(x, n, y);
